@@ -1,0 +1,40 @@
+"""Command-line flags generated from a recipe's settings dataclass: one source of truth for names and defaults.
+
+Each dataclass field becomes `--<name>` with the field's type and default; `field(metadata={"help": ..., "min": x,
+"choices": [...]})` adds help, a lower bound and allowed values. Booleans become `--flag` / `--no-flag`. An unknown
+flag is an error that names it (argparse's own message).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+
+
+def parse_settings(settings_cls, argv=None, description: str | None = None):
+    """Parse `argv` (default: sys.argv[1:]) into an instance of the dataclass `settings_cls`.
+
+    Values below a field's `min` metadata are rejected with a sentence naming the flag and the bound.
+    """
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
+    hints = typing.get_type_hints(settings_cls)
+    for f in dataclasses.fields(settings_cls):
+        kind = hints[f.name]
+        meta = f.metadata
+        help_text = meta.get("help", "")
+        if kind is bool:
+            parser.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, default=f.default,
+                                help=help_text + f" (default: {f.default})")
+            continue
+        base = next((a for a in typing.get_args(kind) if a is not type(None)), kind) if typing.get_args(kind) else kind
+        parser.add_argument(f"--{f.name}", type=base, default=f.default, choices=meta.get("choices"),
+                            help=help_text + f" (default: {f.default})")
+    args = parser.parse_args(argv)
+    for f in dataclasses.fields(settings_cls):
+        bound = f.metadata.get("min")
+        value = getattr(args, f.name)
+        if bound is not None and value is not None and value < bound:
+            parser.error(f"--{f.name} {value} is below its minimum {bound}; pass a value >= {bound}.")
+    return settings_cls(**vars(args))

@@ -1,0 +1,310 @@
+"""Supervised fine-tuning data: load -> format -> tokenize -> mask prompt tokens -> pack -> per-rank batches.
+
+Accepted inputs: a Hub dataset id, a local file (.json, .jsonl, .parquet, .csv, .txt) or a local folder, in the
+layouts users bring, detected from the columns:
+
+    messages                      chat turns [{"role": ..., "content": ...}, ...]; loss on assistant turns
+    prompt / completion           loss on the completion
+    instruction / input / output  Alpaca style; loss on the output
+    text                          plain text; loss on every token
+
+`column_map` renames the user's columns to these names when detection cannot tell (e.g. {"prompt": "question"}).
+
+The tokenizer's chat template renders conversations when it has one; otherwise `PLAIN_FORMAT` does.
+Examples are packed into rows of exactly `seq_len` tokens. Each row carries `position_ids` that restart at 0 at
+every example, which makes transformers build a block-diagonal causal mask (with `use_cache=False`), so no token
+attends to another example; flash-attention kernels separate examples through the same position ids.
+`labels` are already shifted: `labels[t]` is the target of position t (the next token of the same example), or
+-100 where there is no loss (prompt tokens, the last token of each example, padding). The loss is then a plain
+`cross_entropy(logits, labels, ignore_index=-100)` and never predicts one example from another.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from zero_utils.errors import UserError
+
+BUNDLED_DATASET = str(Path(__file__).resolve().parent / "assets" / "sft_tiny.jsonl")
+IGNORE_INDEX = -100
+
+LAYOUTS = {
+    "messages": ("messages",),
+    "prompt_completion": ("prompt", "completion"),
+    "alpaca": ("instruction", "output"),
+    "text": ("text",),
+}
+_LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
+
+# Used when the tokenizer has no chat template. Documented in the README; the model sees exactly this.
+PLAIN_FORMAT = {"user": "### User:\n{content}\n\n", "system": "### System:\n{content}\n\n",
+                "assistant": "### Assistant:\n{content}"}
+PLAIN_ASSISTANT_PREFIX = "### Assistant:\n"
+
+
+def load_raw_dataset(name_or_path: str):
+    """Load a dataset as a `datasets.DatasetDict` from a Hub id, a local file or a local folder.
+
+    Local files are read by extension (json/jsonl/parquet/csv/txt). A path-like name that does not exist is a
+    `UserError` (checked before `datasets` would try the Hub).
+    """
+    import datasets
+
+    path = Path(name_or_path).expanduser()
+    looks_local = path.suffix in _LOCAL_BUILDERS or name_or_path.startswith((".", "/", "~")) or path.exists()
+    if looks_local:
+        if not path.exists():
+            raise UserError(f"--dataset {name_or_path!r} does not exist; pass an existing local file/folder or a Hub dataset id.")
+        if path.is_file():
+            builder = _LOCAL_BUILDERS.get(path.suffix)
+            if builder is None:
+                raise UserError(f"--dataset {name_or_path!r} has an unsupported extension; use one of {sorted(_LOCAL_BUILDERS)}.")
+            return datasets.load_dataset(builder, data_files={"train": str(path)})
+        return datasets.load_dataset(str(path))
+    return datasets.load_dataset(name_or_path)
+
+
+def detect_layout(column_names: list[str], column_map: dict[str, str] | None = None) -> str:
+    """Name the layout ('messages', 'prompt_completion', 'alpaca' or 'text') of a dataset from its columns.
+
+    `column_map` maps our column names to the dataset's (e.g. {"prompt": "question"}). Raises `UserError` naming
+    the columns found and those expected when nothing matches.
+    """
+    column_map = column_map or {}
+    for layout, required in LAYOUTS.items():
+        if all(column_map.get(c, c) in column_names for c in required):
+            return layout
+    expected = " or ".join("+".join(cols) for cols in LAYOUTS.values())
+    raise UserError(
+        f"the dataset has columns {sorted(column_names)} but needs {expected}; "
+        "name yours with --columns, e.g. --columns prompt=question,completion=answer."
+    )
+
+
+def parse_column_map(spec: str) -> dict[str, str]:
+    """Parse `--columns` ("prompt=question,completion=answer") into {"prompt": "question", ...}."""
+    if not spec:
+        return {}
+    known = {c for cols in LAYOUTS.values() for c in cols} | {"input"}
+    mapping = {}
+    for item in spec.split(","):
+        ours, sep, theirs = item.partition("=")
+        ours, theirs = ours.strip(), theirs.strip()
+        if not sep or not ours or not theirs:
+            raise UserError(f"--columns item {item!r} is not NAME=COLUMN; write e.g. --columns prompt=question,completion=answer.")
+        if ours not in known:
+            raise UserError(f"--columns names {ours!r}, which is not one of {sorted(known)}.")
+        mapping[ours] = theirs
+    return mapping
+
+
+def to_messages(example: dict, layout: str, column_map: dict[str, str] | None = None) -> list[dict] | str:
+    """Turn one raw example into chat messages (or a plain string for the 'text' layout)."""
+    col = {c: (column_map or {}).get(c, c) for c in ("messages", "prompt", "completion", "instruction", "input", "output", "text")}
+    if layout == "messages":
+        return [{"role": m["role"], "content": m["content"]} for m in example[col["messages"]]]
+    if layout == "prompt_completion":
+        return [{"role": "user", "content": example[col["prompt"]]},
+                {"role": "assistant", "content": example[col["completion"]]}]
+    if layout == "alpaca":
+        user = example[col["instruction"]]
+        extra = example.get(col["input"]) or ""
+        if extra:
+            user = f"{user}\n\n{extra}"
+        return [{"role": "user", "content": user}, {"role": "assistant", "content": example[col["output"]]}]
+    return example[col["text"]]
+
+
+def render_prompt(tokenizer, messages: list[dict]) -> str:
+    """The text a model is given to answer `messages` (generation prompt included), as training formatted it."""
+    if tokenizer.chat_template:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    bos = tokenizer.bos_token or ""
+    return bos + "".join(PLAIN_FORMAT[m["role"]].format(content=m["content"]) for m in messages) + PLAIN_ASSISTANT_PREFIX
+
+
+def _segments(tokenizer, messages: list[dict]) -> list[tuple[str, bool]]:
+    """Split a rendered conversation into (text, is_trained) pieces: assistant replies are trained, the rest not."""
+    if not tokenizer.chat_template:
+        pieces, eos = [(tokenizer.bos_token or "", False)], tokenizer.eos_token or ""
+        for m in messages:
+            if m["role"] == "assistant":
+                pieces += [(PLAIN_ASSISTANT_PREFIX, False), (m["content"] + eos + "\n\n", True)]
+            else:
+                pieces.append((PLAIN_FORMAT[m["role"]].format(content=m["content"]), False))
+        return pieces
+    pieces, rendered = [], ""
+    for i, m in enumerate(messages):
+        is_assistant = m["role"] == "assistant"
+        before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=is_assistant) if i else ""
+        if is_assistant and before.startswith(rendered):
+            pieces.append((before[len(rendered):], False))
+            rendered = before
+        full = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        if not full.startswith(rendered):
+            raise UserError("the tokenizer's chat template does not render conversations prefix by prefix, so prompt "
+                            "tokens cannot be masked; use a tokenizer with a standard template or the 'text' layout.")
+        pieces.append((full[len(rendered):], is_assistant))
+        rendered = full
+    return pieces
+
+
+def tokenize_example(tokenizer, messages_or_text: list[dict] | str) -> dict:
+    """Tokenize one example. Returns {"input_ids": list[int], "labels": list[int]} with labels already shifted
+    (labels[t] = input_ids[t+1] when that token is trained, else -100; the last label is always -100)."""
+    if isinstance(messages_or_text, str):
+        bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+        eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        ids = bos + tokenizer(messages_or_text, add_special_tokens=False)["input_ids"] + eos
+        trained = [False] * len(bos) + [True] * (len(ids) - len(bos))
+    else:
+        ids, trained = [], []
+        for text, is_trained in _segments(tokenizer, messages_or_text):
+            if text:
+                piece = tokenizer(text, add_special_tokens=False)["input_ids"]
+                ids += piece
+                trained += [is_trained] * len(piece)
+    labels = [ids[t + 1] if trained[t + 1] else IGNORE_INDEX for t in range(len(ids) - 1)] + [IGNORE_INDEX]
+    return {"input_ids": ids, "labels": labels}
+
+
+def pack_examples(examples: list[dict], seq_len: int, pad_token_id: int) -> tuple[list[dict], int]:
+    """Greedily pack tokenized examples, in order, into rows of exactly `seq_len` tokens.
+
+    Returns (rows, num_truncated). Each row: input_ids, labels, position_ids (restarting at 0 per example), all of
+    length `seq_len`. Longer examples are truncated to `seq_len`; the tail of a row is padding with no loss.
+    """
+    rows, cur_ids, cur_labels, cur_pos, truncated = [], [], [], [], 0
+
+    def flush():
+        pad = seq_len - len(cur_ids)
+        if pad:
+            cur_ids.extend([pad_token_id] * pad)
+            cur_labels.extend([IGNORE_INDEX] * pad)
+            cur_pos.extend(range(pad))  # padding is its own "example": it attends only to itself
+        rows.append({"input_ids": list(cur_ids), "labels": list(cur_labels), "position_ids": list(cur_pos)})
+        cur_ids.clear(), cur_labels.clear(), cur_pos.clear()
+
+    for ex in examples:
+        ids, labels = ex["input_ids"], ex["labels"]
+        if len(ids) > seq_len:
+            truncated += 1
+            ids, labels = ids[:seq_len], labels[: seq_len - 1] + [IGNORE_INDEX]
+        if not any(label != IGNORE_INDEX for label in labels):
+            continue
+        if len(cur_ids) + len(ids) > seq_len:
+            flush()
+        cur_ids += ids
+        cur_labels += labels
+        cur_pos += range(len(ids))
+    if cur_ids:
+        flush()
+    return rows, truncated
+
+
+def build_sft_datasets(accelerator, tokenizer, dataset: str, seq_len: int, eval_fraction: float, seed: int,
+                       column_map: dict[str, str] | None = None):
+    """Load, format, tokenize and pack a dataset once (main process first, through the `datasets` cache).
+
+    Returns (train, eval, info): `datasets.Dataset`s of packed rows (columns input_ids, labels, position_ids,
+    each `seq_len` long; eval is None when there is no held-out data) and a dict of counts for logging. The
+    held-out split is the dataset's own validation/test split, else `eval_fraction` of the examples, split
+    before packing so no example is in both.
+    """
+    import datasets
+
+    with accelerator.main_process_first():
+        raw = load_raw_dataset(dataset)
+        train_raw = raw["train"] if "train" in raw else raw[next(iter(raw))]
+        eval_raw = next((raw[s] for s in ("validation", "test") if s in raw), None)
+        if eval_raw is None and eval_fraction > 0:
+            if len(train_raw) < 2:
+                raise UserError(f"--dataset {dataset!r} has {len(train_raw)} example(s): too few to hold out "
+                                "an eval split; add data or pass --eval_fraction 0.")
+            split = train_raw.train_test_split(test_size=eval_fraction, seed=seed)
+            train_raw, eval_raw = split["train"], split["test"]
+        layout = detect_layout(train_raw.column_names, column_map)
+        pad_id = next(t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if t is not None)
+
+        def tokenize(example):
+            return tokenize_example(tokenizer, to_messages(example, layout, column_map))
+
+        def pack(batch):
+            rows, truncated = pack_examples(
+                [{"input_ids": i, "labels": l} for i, l in zip(batch["input_ids"], batch["labels"])], seq_len, pad_id)
+            out = {k: [r[k] for r in rows] for k in ("input_ids", "labels", "position_ids")}
+            out["num_truncated"] = [truncated] + [0] * (len(rows) - 1) if rows else []
+            return out
+
+        def process(split_ds, name):
+            tokenized = split_ds.map(tokenize, remove_columns=split_ds.column_names, desc=f"tokenize {name}")
+            # One big batch packs across the whole split (no waste at batch borders); rows are small ints.
+            packed = tokenized.map(pack, batched=True, batch_size=len(tokenized) or 1, remove_columns=tokenized.column_names,
+                                   desc=f"pack {name} to {seq_len}")
+            return packed.with_format("torch", columns=["input_ids", "labels", "position_ids"]), len(split_ds), sum(packed["num_truncated"])
+
+        datasets.disable_progress_bars() if not accelerator.is_main_process else None
+        train, n_train, trunc_train = process(train_raw, "train")
+        evald, n_eval, trunc_eval = process(eval_raw, "eval") if eval_raw is not None else (None, 0, 0)
+    if len(train) == 0:
+        raise UserError(f"--dataset {dataset!r} yields no trainable tokens after formatting; check its columns and contents.")
+    info = {"layout": layout, "train_examples": n_train, "eval_examples": n_eval, "train_rows": len(train),
+            "eval_rows": len(evald) if evald is not None else 0, "truncated_examples": trunc_train + trunc_eval,
+            "chat_template": bool(tokenizer.chat_template)}
+    return train, evald, info
+
+
+def check_enough_rows(num_rows: int, global_batch_size: int) -> None:
+    """Raise `UserError` when one global batch (per-device batch x accumulation x world size) needs more rows."""
+    if num_rows < global_batch_size:
+        raise UserError(
+            f"the training data packs into {num_rows} rows of --seq_len tokens, fewer than one global batch "
+            f"({global_batch_size} = per-device batch x accumulation x processes); use more data, a smaller "
+            "--seq_len or a smaller batch.")
+
+
+def global_batch_indices(num_rows: int, global_batch_size: int, step: int, seed: int) -> list[int]:
+    """Row indices of optimizer step `step` (1-based): the global batch is `global_batch_size` consecutive rows of
+    a seeded per-epoch permutation; the incomplete tail of an epoch is dropped.
+
+    The position is counted in global rows ((step - 1) x global batch), so any world size that keeps the global
+    batch continues the same data stream.
+    """
+    batches_per_epoch = num_rows // global_batch_size
+    epoch, batch_in_epoch = divmod(step - 1, batches_per_epoch)
+    order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+    start = batch_in_epoch * global_batch_size
+    return order[start:start + global_batch_size].tolist()
+
+
+def rank_micro_batches(rows, indices: list[int], rank: int, world_size: int, per_device_batch_size: int,
+                       gradient_accumulation_steps: int, device) -> list[dict]:
+    """This rank's micro-batches of one global batch: micro-step k on rank r gets rows
+    indices[(k * world_size + r) * b : ... + b]. Each batch maps column -> LongTensor [b, seq_len] on `device`."""
+    out = []
+    b = per_device_batch_size
+    for k in range(gradient_accumulation_steps):
+        start = (k * world_size + rank) * b
+        batch = rows[indices[start:start + b]]
+        out.append({key: batch[key].to(device) for key in ("input_ids", "labels", "position_ids")})
+    return out
+
+
+def eval_micro_batches(rows, rank: int, world_size: int, per_device_batch_size: int, device):
+    """Yield this rank's eval batches (rows strided over ranks). Every rank yields the same number of batches, so
+    sharded engines (whose forward is a collective) never wait on a rank that has finished; filler rows have no
+    loss tokens."""
+    n = len(rows)
+    mine = list(range(rank, n, world_size))
+    num_batches = math.ceil(math.ceil(n / world_size) / per_device_batch_size)
+    for i in range(num_batches):
+        idx = mine[i * per_device_batch_size:(i + 1) * per_device_batch_size]
+        batch = rows[idx] if idx else rows[[0]]
+        batch = {k: batch[k].to(device) for k in ("input_ids", "labels", "position_ids")}
+        if not idx:
+            batch["labels"] = torch.full_like(batch["labels"], IGNORE_INDEX)
+        yield batch
+

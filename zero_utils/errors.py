@@ -1,0 +1,5 @@
+"""The one exception type for mistakes a user can fix (a path, a column, a flag), so recipes can print it as one line."""
+
+
+class UserError(Exception):
+    """A problem in the user's input: the message names the value and the fix, and is printed without a traceback."""

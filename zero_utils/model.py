@@ -1,0 +1,71 @@
+"""Load a causal LM and its tokenizer from a Hub id or a local folder; the bundled tiny Llama needs no download.
+
+A local folder that holds a config but no weights (like the bundled `assets/tiny-llama`) builds the model from
+its config with random initialisation (seeded by the caller); folders with weights load them. Weights load only
+from safetensors: a pickled `.bin` checkpoint from elsewhere could run code on load.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from zero_utils.errors import UserError
+
+BUNDLED_MODEL = str(Path(__file__).resolve().parent / "assets" / "tiny-llama")
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+
+
+def _check_local(name_or_path: str) -> Path | None:
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        return path
+    if name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
+        raise UserError(f"--model {name_or_path!r} does not exist; pass an existing local folder or a Hub model id.")
+    return None
+
+
+def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
+    """Load the tokenizer. One without a pad token gets its EOS token as pad (padding never reaches the loss)."""
+    from transformers import AutoTokenizer
+
+    _check_local(name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_config(name_or_path: str, trust_remote_code: bool = False):
+    """Load the model config (no weights); `UserError` if the path is missing or the model is not a causal LM."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    local = _check_local(name_or_path)
+    if local is not None and local.is_dir() and not (local / "config.json").exists():
+        raise UserError(f"--model {name_or_path!r} has no config.json; point it at a Hugging Face model folder.")
+    config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not getattr(config, "auto_map", None):
+        raise UserError(f"--model {name_or_path!r} is a {config.model_type!r} model, not a causal LM; "
+                        "pass a decoder model (Llama, Mistral, Qwen2, ...).")
+    return config
+
+
+def load_causal_lm(name_or_path: str, *, attn_implementation: str | None = None, trust_remote_code: bool = False):
+    """Build or load a `transformers` causal LM in fp32 (master weights; mixed precision casts for compute).
+
+    Returns the model, on CPU. With only a config in a local folder the weights are randomly initialised from
+    the current torch seed, so every rank that seeded alike builds identical weights.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = load_config(name_or_path, trust_remote_code)
+    kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    local = _check_local(name_or_path)
+    if local is not None and local.is_dir() and not any((local / f).exists() for f in _WEIGHT_FILES):
+        if any(local.glob("*.bin")):
+            raise UserError(f"--model {name_or_path!r} holds only pickled .bin weights; convert them to safetensors "
+                            "(they are loaded only as safetensors, which cannot run code).")
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code, **kwargs)
+    return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32, use_safetensors=True,
+                                                trust_remote_code=trust_remote_code, **kwargs)

@@ -1,0 +1,209 @@
+"""Build the `Accelerator` for this launch, so the engine the accelerate YAML names is the engine that runs.
+
+On a machine without CUDA, accelerate 1.15 silently degrades two launches (DESIGN.md section 4):
+- an FSDP launch becomes N independent single-process trainings that all believe they are rank 0;
+- a DDP (MULTI_GPU) launch shards the data but never synchronises gradients.
+`build_accelerator` prepares accelerate's shared state so that FSDP2, DDP and DeepSpeed all run for real over
+gloo on CPU, and `check_launch` fails loudly if the result still differs from what the launch asked for. On a GPU
+machine none of this applies and accelerate's own path (NCCL) is used unchanged: the CPU branch below is the only
+place the training logic depends on the device.
+
+The recipe's flags are the single source of truth for accumulation, clipping and micro-batch size: they are
+written into the DeepSpeed config here, and a YAML that sets them too is an error rather than a silent override.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+
+import torch
+
+from zero_utils.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+# DeepSpeed keys whose built-in defaults are sized for big models (a 5e8-element ZeRO-3 reduce bucket is 2 GB per
+# rank whatever the model): "auto" makes accelerate size them from the model's hidden size in `prepare`.
+_DEEPSPEED_AUTO_BUCKETS = {
+    "reduce_bucket_size": (1, 2, 3),
+    "stage3_prefetch_bucket_size": (3,),
+    "stage3_param_persistence_threshold": (3,),
+}
+
+
+def _launch_env() -> dict:
+    env = os.environ
+    return {
+        "world_size": int(env.get("WORLD_SIZE", "1")),
+        "under_launcher": "LOCAL_RANK" in env or "WORLD_SIZE" in env,
+        "fsdp": env.get("ACCELERATE_USE_FSDP", "false").lower() == "true",
+        "deepspeed": env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true",
+        "fsdp_version": int(env.get("FSDP_VERSION", "2") or 2),
+    }
+
+
+def requested_engine_family() -> str:
+    """What the launch asked for, read from the environment `accelerate launch` exports: 'fsdp', 'deepspeed',
+    'ddp' (several processes, no engine named) or 'single'."""
+    launch = _launch_env()
+    if launch["deepspeed"]:
+        return "deepspeed"
+    if launch["fsdp"]:
+        return "fsdp"
+    return "ddp" if launch["world_size"] > 1 else "single"
+
+
+def _check_no_duplicate_setting(env_key: str, flag: str, value) -> None:
+    """A YAML that also sets a recipe flag would silently win inside accelerate/DeepSpeed: refuse it."""
+    yaml_value = os.environ.get(env_key)
+    if yaml_value is None or yaml_value.lower() in ("auto", "none"):
+        return
+    if float(yaml_value) != float(value):
+        raise UserError(f"the accelerate config sets {env_key.split('ACCELERATE_')[-1].lower()}={yaml_value} but "
+                        f"{flag} is {value}; remove it from the YAML: the recipe flag decides.")
+
+
+def build_accelerator(*, per_device_batch_size: int, gradient_accumulation_steps: int, max_grad_norm: float,
+                      log_with: str | list | None = None, project_dir: str | None = None):
+    """Create the Accelerator for the engine the launch asked for (DDP, DeepSpeed ZeRO-1/2/3, FSDP2), on GPU or CPU.
+
+    Args:
+        per_device_batch_size: micro-batch rows per process (DeepSpeed's `train_micro_batch_size_per_gpu`).
+        gradient_accumulation_steps: micro-batches per optimizer step (also written into DeepSpeed's config).
+        max_grad_norm: clipping threshold (DeepSpeed clips inside its engine: written as `gradient_clipping`).
+        log_with, project_dir: passed to `Accelerator` for trackers.
+
+    Returns the `Accelerator`. Raises `RuntimeError` if the result is not the engine the launch named.
+    """
+    from accelerate import Accelerator, DistributedType, PartialState
+    from accelerate.utils import InitProcessGroupKwargs
+
+    launch = _launch_env()
+    family = requested_engine_family()
+    if family == "fsdp" and launch["fsdp_version"] != 2:
+        raise UserError("the accelerate config asks for FSDP version 1; these recipes use FSDP2: set fsdp_version: 2.")
+    if family == "deepspeed":
+        _check_no_duplicate_setting("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "--gradient_accumulation_steps", gradient_accumulation_steps)
+        _check_no_duplicate_setting("ACCELERATE_GRADIENT_CLIPPING", "--max_grad_norm", max_grad_norm)
+        os.environ["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] = str(gradient_accumulation_steps)
+        os.environ["ACCELERATE_GRADIENT_CLIPPING"] = str(max_grad_norm)
+
+    kwargs_handlers = []
+    on_cpu = not torch.cuda.is_available()
+    if on_cpu and launch["under_launcher"]:
+        # [CPU] accelerate only selects FSDP/DDP for accelerator devices; initialise gloo ourselves and tell the
+        # shared state which branch to take (verified against accelerate 1.15; a test fails if this changes).
+        if family == "fsdp":
+            PartialState(backend="gloo")
+            PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
+        elif family == "ddp":
+            PartialState(backend="gloo")
+            PartialState._shared_state["distributed_type"] = DistributedType.MULTI_CPU
+        elif family == "deepspeed":
+            kwargs_handlers.append(InitProcessGroupKwargs(backend="gloo"))
+
+    accelerator = Accelerator(gradient_accumulation_steps=gradient_accumulation_steps, log_with=log_with,
+                              project_dir=project_dir, kwargs_handlers=kwargs_handlers)
+
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        _configure_deepspeed(accelerator, per_device_batch_size, gradient_accumulation_steps, max_grad_norm)
+    if accelerator.distributed_type == DistributedType.FSDP and on_cpu:
+        _adapt_fsdp_offload_for_cpu(accelerator)
+    check_launch(accelerator)
+    return accelerator
+
+
+def _configure_deepspeed(accelerator, per_device_batch_size, gradient_accumulation_steps, max_grad_norm) -> None:
+    config = accelerator.state.deepspeed_plugin.deepspeed_config
+    stage = config["zero_optimization"]["stage"]
+    config["train_micro_batch_size_per_gpu"] = per_device_batch_size
+    config["train_batch_size"] = per_device_batch_size * gradient_accumulation_steps * accelerator.num_processes
+    config["gradient_accumulation_steps"] = gradient_accumulation_steps
+    config["gradient_clipping"] = max_grad_norm
+    for key, stages in _DEEPSPEED_AUTO_BUCKETS.items():
+        if stage in stages:
+            config["zero_optimization"].setdefault(key, "auto")
+
+
+def _adapt_fsdp_offload_for_cpu(accelerator) -> None:
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    plugin = accelerator.state.fsdp_plugin
+    if isinstance(plugin.cpu_offload, CPUOffloadPolicy) and plugin.cpu_offload.pin_memory:
+        # Pinned host memory needs an accelerator device; without one FSDP2 fails with "Cannot access accelerator
+        # device". Offload itself (optimizer step on CPU-resident shards) still runs.
+        plugin.cpu_offload = CPUOffloadPolicy(pin_memory=False)
+        if accelerator.is_main_process:
+            print("[zero_utils] no GPU: FSDP2 CPU offload runs with pin_memory=False (pinned memory needs a GPU).")
+
+
+def check_launch(accelerator) -> None:
+    """Raise `RuntimeError` unless the Accelerator runs the engine and world size the launch asked for.
+
+    Catches accelerate's silent CPU fallbacks (every rank training alone as 'rank 0', or DDP without gradient
+    sync): with the launcher's WORLD_SIZE=N, the accelerator must see N processes and the requested engine.
+    """
+    from accelerate import DistributedType
+
+    launch = _launch_env()
+    family = requested_engine_family()
+    expected_type = {"fsdp": DistributedType.FSDP, "deepspeed": DistributedType.DEEPSPEED}.get(family)
+    problems = []
+    if accelerator.num_processes != launch["world_size"]:
+        problems.append(f"{accelerator.num_processes} process(es) instead of the launched {launch['world_size']}")
+    if expected_type is not None and accelerator.distributed_type != expected_type:
+        problems.append(f"engine {accelerator.distributed_type} instead of {expected_type}")
+    if family == "ddp" and accelerator.distributed_type == DistributedType.NO:
+        problems.append("no data parallelism (gradients would never be synchronised)")
+    if problems:
+        raise RuntimeError("accelerate did not build the requested engine: " + "; ".join(problems) +
+                           ". This is accelerate's silent fallback (DESIGN.md section 4); check the accelerate version.")
+
+
+def engine_name(accelerator) -> str:
+    """Name of the engine actually running, read from the Accelerator's state (not from the YAML's file name):
+    'single', 'ddp', 'zero1', 'zero2', 'zero3' (+ '_offload'), 'fsdp2', 'fsdp2_zero2' (+ '_offload')."""
+    from accelerate import DistributedType
+
+    state = accelerator.state
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        zero = state.deepspeed_plugin.deepspeed_config["zero_optimization"]
+        offload = any(str(zero.get(k, {}).get("device", "none")) not in ("none", "None") for k in ("offload_optimizer", "offload_param"))
+        return f"zero{zero['stage']}" + ("_offload" if offload else "")
+    if accelerator.distributed_type == DistributedType.FSDP:
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        plugin = state.fsdp_plugin
+        name = "fsdp2" if plugin.reshard_after_forward else "fsdp2_zero2"
+        return name + ("_offload" if isinstance(plugin.cpu_offload, CPUOffloadPolicy) else "")
+    if accelerator.distributed_type == DistributedType.NO:
+        return "single"
+    return "ddp"
+
+
+def weights_digest(model) -> str:
+    """SHA-256 of the full (gathered) weights as seen from this rank; every rank must call it (it gathers).
+
+    Parameters are gathered one at a time (FSDP2 DTensor `full_tensor`, DeepSpeed ZeRO-3 `GatheredParameters`), so
+    the whole model is never materialised at once. Equal digests on every rank prove the replicas agree.
+    Engines: all (DDP, DeepSpeed ZeRO-1/2/3, FSDP2, single process).
+    """
+    from torch.distributed.tensor import DTensor
+
+    digest = hashlib.sha256()
+    module = getattr(model, "module", model)
+    for name, param in module.named_parameters():
+        if hasattr(param, "ds_id"):  # [ZeRO-3] partitioned parameter
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+                full = param.detach().cpu().clone()
+        elif isinstance(param, DTensor):  # [FSDP2] sharded parameter
+            full = param.full_tensor().detach().cpu()
+        else:
+            full = param.detach().cpu()
+        digest.update(name.encode())
+        digest.update(full.float().contiguous().numpy().tobytes())
+    return digest.hexdigest()

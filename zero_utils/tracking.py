@@ -1,0 +1,100 @@
+"""Run records: metrics.jsonl (one line per optimizer step), summary.json, and accelerate trackers such as W&B.
+
+Rank-0 discipline lives here: every method may be called on every rank and writes only on the main process, so
+recipes need no `if is_main:` around logging. metrics.jsonl is the readable record (wandb's offline log is
+binary); it is appended to, so a resumed run continues the same file.
+"""
+
+from __future__ import annotations
+
+import json
+import netrc
+import os
+import platform
+from pathlib import Path
+
+
+def trackers_for(report_to: str) -> list[str] | None:
+    """Accelerate `log_with` value for `--report_to` ('none' -> no tracker; 'wandb'; or any accelerate tracker,
+    comma-separated)."""
+    names = [n.strip() for n in report_to.split(",") if n.strip() and n.strip() != "none"]
+    return names or None
+
+
+def _wandb_has_credentials() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        return netrc.netrc().authenticators("api.wandb.ai") is not None
+    except (FileNotFoundError, netrc.NetrcParseError):
+        return False
+
+
+class RunTracker:
+    """Writes a run's per-step metrics and summary on the main process, and forwards them to accelerate trackers.
+
+    Files under `output_dir`: `metrics.jsonl` (appended when `append`, else started afresh), `summary.json` (rewritten at the end). With W&B and no
+    credentials (or no network) the run is written offline under `output_dir/wandb` and one line says how to
+    sync it.
+    """
+
+    def __init__(self, accelerator, output_dir: str, report_to: str, project: str, run_name: str, config: dict,
+                 group: str | None = None, append: bool = False):
+        self.accelerator = accelerator
+        self.output_dir = Path(output_dir)
+        self.is_main = accelerator.is_main_process
+        self.trackers = trackers_for(report_to) or []
+        if self.is_main:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            if not append:  # a fresh run starts its own record; a resumed one continues it
+                (self.output_dir / "metrics.jsonl").unlink(missing_ok=True)
+        if not self.trackers:
+            return
+        init_kwargs = {}
+        if "wandb" in self.trackers:
+            if not _wandb_has_credentials() and not os.environ.get("WANDB_MODE"):
+                os.environ["WANDB_MODE"] = "offline"
+            init_kwargs["wandb"] = {"dir": str(self.output_dir), "name": run_name, "group": group}
+        accelerator.init_trackers(project, config=_loggable(config), init_kwargs=init_kwargs)
+        if self.is_main and "wandb" in self.trackers and os.environ.get("WANDB_MODE") == "offline":
+            run_dir = accelerator.get_tracker("wandb", unwrap=True).dir
+            offline_dir = Path(run_dir).parent
+            print(f"[zero_utils] W&B is offline (no API key or network): run saved in {offline_dir}; "
+                  f"upload it later with `wandb sync {offline_dir}`.")
+
+    def log_step(self, metrics: dict) -> None:
+        """Append one optimizer step's metrics (must contain 'step') to metrics.jsonl and send them to trackers."""
+        if self.trackers:
+            self.accelerator.log({k: v for k, v in metrics.items() if k != "step" and v is not None}, step=metrics["step"])
+        if self.is_main:
+            with open(self.output_dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(metrics) + "\n")
+
+    def write_summary(self, summary: dict) -> None:
+        """Write summary.json (and the tracker's run summary) on the main process."""
+        if self.is_main:
+            (self.output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            if "wandb" in self.trackers:
+                run = self.accelerator.get_tracker("wandb", unwrap=True)
+                run.summary.update({k: v for k, v in summary.items() if isinstance(v, (int, float, str))})
+
+
+def software_versions() -> dict:
+    """Versions that decide how a run behaves: python, torch, accelerate, transformers, deepspeed."""
+    import accelerate
+    import torch
+    import transformers
+
+    versions = {"python": platform.python_version(), "torch": torch.__version__,
+                "accelerate": accelerate.__version__, "transformers": transformers.__version__}
+    try:
+        import deepspeed
+
+        versions["deepspeed"] = deepspeed.__version__
+    except ImportError:
+        versions["deepspeed"] = None
+    return versions
+
+
+def _loggable(config: dict) -> dict:
+    return {k: v if isinstance(v, (int, float, str, bool)) or v is None else str(v) for k, v in config.items()}

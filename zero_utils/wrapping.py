@@ -1,0 +1,109 @@
+"""FSDP2 layer wrapping for any Hugging Face decoder: `fully_shard` each decoder block, then the root.
+
+The model is never edited for parallelism (torchtitan's rule): sharding is applied from outside, in a fixed order
+that follows torchtitan's `apply_fsdp`:
+    1. the input embedding (its own group, unless tied to the output head);
+    2. each decoder block, one FSDP unit per block; the last block is not resharded after forward, because
+       backward needs it at once;
+    3. the final norm and the output head (plus a tied embedding) as one group, not resharded after forward;
+    4. the root, which picks up whatever is left.
+Accelerate's FSDP2 `prepare` leaves a model that is already an `FSDPModule` untouched, so calling
+`shard_model` before `accelerator.prepare` makes these choices the ones that run. Engines: FSDP2 only.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from zero_utils.errors import UserError
+
+
+def find_block_classes(model: nn.Module, override: str | None = None) -> set[type]:
+    """Return the decoder-block class(es) of a transformers causal LM (also through a PEFT wrapper).
+
+    Uses the model's `_no_split_modules` (what transformers itself never splits across devices), keeping the
+    classes that occur inside a `nn.ModuleList` (the stack of blocks). `override` (comma-separated class names,
+    from the YAML's `fsdp_transformer_layer_cls_to_wrap`) wins; a name that matches nothing is a `UserError`
+    listing the candidates.
+    """
+    present = {type(m).__name__: type(m) for m in model.modules()}
+    if override:
+        names = [n.strip() for n in override.split(",") if n.strip()]
+        missing = [n for n in names if n not in present]
+        if missing:
+            in_lists = sorted({type(m).__name__ for ml in model.modules() if isinstance(ml, nn.ModuleList) for m in ml})
+            raise UserError(f"fsdp_transformer_layer_cls_to_wrap names {missing}, which the model does not contain; "
+                            f"candidates: {in_lists}.")
+        return {present[n] for n in names}
+    no_split = set()
+    for module in model.modules():
+        no_split |= set(getattr(module, "_no_split_modules", None) or [])
+    in_module_lists = {type(m) for ml in model.modules() if isinstance(ml, nn.ModuleList) for m in ml}
+    blocks = {cls for cls in in_module_lists if cls.__name__ in no_split}
+    if not blocks:  # no `_no_split_modules`: a class repeated inside a ModuleList is the block stack
+        blocks = {cls for cls in in_module_lists if sum(1 for m in model.modules() if type(m) is cls) > 1}
+    if not blocks:
+        raise UserError(f"could not find the decoder blocks of {type(model).__name__}; set "
+                        "fsdp_transformer_layer_cls_to_wrap in the accelerate YAML to the block class name.")
+    return blocks
+
+
+def shard_model(model: nn.Module, accelerator, block_override: str | None = None) -> nn.Module:
+    """Apply FSDP2 `fully_shard` block by block, then to the root, with the accelerate YAML's settings.
+
+    Reads from `accelerator.state.fsdp_plugin`: reshard_after_forward (True = ZeRO-3, False = ZeRO-2 behaviour),
+    the mixed-precision param dtype (gradients are reduced in fp32, torchtitan's default) and the CPU offload
+    policy. Parameters become DTensors sharded on dim 0 over all ranks (each rank holds ~1/world of each).
+    Returns the same module (now an `FSDPModule`). Engines: FSDP2.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    plugin = accelerator.state.fsdp_plugin
+    override = block_override or _plugin_layer_override(plugin)
+    block_classes = tuple(find_block_classes(model, override))
+    # Resolve accelerate's wrap policy to our classes now: after `fully_shard` the classes are renamed
+    # (FSDPLlamaDecoderLayer) and accelerate's own lookup in `prepare` would no longer find them.
+    plugin.transformer_cls_names_to_wrap = [cls.__name__ for cls in block_classes]
+    plugin.set_auto_wrap_policy(model)
+    mesh = init_device_mesh(accelerator.device.type, (accelerator.num_processes,))
+    policy = plugin.mixed_precision_policy
+    param_dtype = getattr(policy, "param_dtype", None)
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+    common = {"mesh": mesh, "mp_policy": mp_policy, "offload_policy": plugin.cpu_offload}
+    reshard = bool(plugin.reshard_after_forward)
+
+    if param_dtype is not None:
+        # FSDP2 groups need one dtype per group; keep fp32 master weights and let the policy cast for compute.
+        for p in model.parameters():
+            if p.requires_grad and p.dtype != torch.float32:
+                p.data = p.data.float()
+
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    tied = embed is not None and head is not None and embed.weight is head.weight
+    if embed is not None and not tied:
+        fully_shard(embed, reshard_after_forward=reshard, **common)
+    blocks = [m for m in model.modules() if isinstance(m, block_classes)]
+    for i, block in enumerate(blocks):
+        fully_shard(block, reshard_after_forward=reshard and i < len(blocks) - 1, **common)
+    tail = [m for m in (_final_norm(model, blocks), head, embed if tied else None) if m is not None]
+    if tail:
+        fully_shard(tail, reshard_after_forward=False, **common)
+    fully_shard(model, reshard_after_forward=False, **common)
+    return model
+
+
+def _plugin_layer_override(plugin) -> str | None:
+    cls = getattr(plugin, "transformer_cls_names_to_wrap", None)
+    if isinstance(cls, (list, tuple)):
+        return ",".join(cls) or None
+    return cls or None
+
+
+def _final_norm(model: nn.Module, blocks: list[nn.Module]) -> nn.Module | None:
+    """The norm applied after the last block: the last norm-like module that is not inside a block."""
+    inside = {id(m) for b in blocks for m in b.modules()}
+    norms = [m for m in model.modules() if id(m) not in inside and "norm" in type(m).__name__.lower()]
+    return norms[-1] if norms else None
