@@ -92,7 +92,7 @@ def main(cfg: Settings) -> None:
     data.check_enough_rows(len(train_rows), global_batch)
 
     # ------------------------------------------------------------------------------ model
-    model = load_causal_lm(cfg.model, attn_implementation=cfg.attn_implementation or None)
+    model = load_causal_lm(cfg.model, accelerator=accelerator, attn_implementation=cfg.attn_implementation or None)
     if cfg.seq_len > model.config.max_position_embeddings:
         raise UserError(f"--seq_len {cfg.seq_len} exceeds the model's max_position_embeddings "
                         f"({model.config.max_position_embeddings}); lower --seq_len.")
@@ -140,6 +140,7 @@ def main(cfg: Settings) -> None:
         with torch.no_grad():
             for batch in data.eval_micro_batches(eval_rows, rank, world, cfg.per_device_batch_size, device):
                 totals += torch.stack([token_loss_sum(batch), (batch["labels"] != data.IGNORE_INDEX).sum().float()])
+        wrapping.reshard_after_inference(model)  # [FSDP2] free what eval left gathered
         model.train()
         totals = accelerator.reduce(totals, "sum")
         return (totals[0] / totals[1]).item()
@@ -205,6 +206,8 @@ def main(cfg: Settings) -> None:
     answer = _greedy_answer(model, tokenizer, cfg.prompt, cfg.max_new_tokens, device) if cfg.max_new_tokens else ""
     digests = gather_object([runtime.weights_digest(model)]) if cfg.verify_replicas else None
     rows_per_rank = gather_object([first_step_rows or []])
+    sharding_per_rank = gather_object([runtime.sharding_evidence(model, optimizer)])
+    data_cache_files_written_per_rank = gather_object([data_info["cache_files_written"]])
 
     summary = {
         "engine": engine, "world_size": world, "mixed_precision": accelerator.mixed_precision,
@@ -217,6 +220,7 @@ def main(cfg: Settings) -> None:
         "model_state_breakdown_bytes": model_state_max if last else None,
         "num_params": num_params, "global_batch_rows": global_batch, "seq_len": cfg.seq_len,
         "data": data_info, "first_step_rows_per_rank": rows_per_rank, "weights_digest_per_rank": digests,
+        "sharding_per_rank": sharding_per_rank, "data_cache_files_written_per_rank": data_cache_files_written_per_rank,
         "prompt": cfg.prompt, "answer": answer, "versions": tracking.software_versions(),
     }
     tracker.write_summary(summary)
@@ -242,6 +246,7 @@ def _greedy_answer(model, tokenizer, prompt: str, max_new_tokens: int, device) -
     for _ in range(max_new_tokens):
         logits = model(input_ids=ids, use_cache=False).logits
         ids = torch.cat([ids, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    wrapping.reshard_after_inference(model)  # [FSDP2] free what generation left gathered
     model.train()
     new = ids[0, prompt_len:].tolist()
     if tokenizer.eos_token_id in new:

@@ -22,6 +22,7 @@ attends to another example; flash-attention kernels separate examples through th
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import torch
@@ -246,15 +247,24 @@ def build_sft_datasets(accelerator, tokenizer, dataset: str, seq_len: int, eval_
                                    desc=f"pack {name} to {seq_len}")
             return packed.with_format("torch", columns=["input_ids", "labels", "position_ids"]), len(split_ds), sum(packed["num_truncated"])
 
-        datasets.disable_progress_bars() if not accelerator.is_main_process else None
+        if not accelerator.is_main_process:
+            datasets.disable_progress_bars()
+        cache_dirs = {os.path.dirname(f["filename"]) for f in train_raw.cache_files}
+        files_before = _files_in(cache_dirs)
         train, n_train, trunc_train = process(train_raw, "train")
         evald, n_eval, trunc_eval = process(eval_raw, "eval") if eval_raw is not None else (None, 0, 0)
+        # The main process tokenizes and packs; the others find its results in the cache and write nothing.
+        cache_files_written = len(_files_in(cache_dirs) - files_before)
     if len(train) == 0:
         raise UserError(f"--dataset {dataset!r} yields no trainable tokens after formatting; check its columns and contents.")
     info = {"layout": layout, "train_examples": n_train, "eval_examples": n_eval, "train_rows": len(train),
             "eval_rows": len(evald) if evald is not None else 0, "truncated_examples": trunc_train + trunc_eval,
-            "chat_template": bool(tokenizer.chat_template)}
+            "chat_template": bool(tokenizer.chat_template), "cache_files_written": cache_files_written}
     return train, evald, info
+
+
+def _files_in(directories) -> set[str]:
+    return {os.path.join(d, f) for d in directories if os.path.isdir(d) for f in os.listdir(d)}
 
 
 def check_enough_rows(num_rows: int, global_batch_size: int) -> None:

@@ -7,6 +7,7 @@ from safetensors: a pickled `.bin` checkpoint from elsewhere could run code on l
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 from zero_utils.errors import UserError
@@ -50,11 +51,14 @@ def load_config(name_or_path: str, trust_remote_code: bool = False):
     return config
 
 
-def load_causal_lm(name_or_path: str, *, attn_implementation: str | None = None, trust_remote_code: bool = False):
+def load_causal_lm(name_or_path: str, *, accelerator=None, attn_implementation: str | None = None,
+                   trust_remote_code: bool = False):
     """Build or load a `transformers` causal LM in fp32 (master weights; mixed precision casts for compute).
 
     Returns the model, on CPU. With only a config in a local folder the weights are randomly initialised from
-    the current torch seed, so every rank that seeded alike builds identical weights.
+    the current torch seed, whole on every rank, so every engine starts from the same weights (under DeepSpeed
+    ZeRO-3, `zero.Init` would draw them partition by partition in another order: it is switched off for random
+    init and stays on for pretrained weights). Engines: all.
     """
     import torch
     from transformers import AutoModelForCausalLM
@@ -66,6 +70,27 @@ def load_causal_lm(name_or_path: str, *, attn_implementation: str | None = None,
         if any(local.glob("*.bin")):
             raise UserError(f"--model {name_or_path!r} holds only pickled .bin weights; convert them to safetensors "
                             "(they are loaded only as safetensors, which cannot run code).")
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code, **kwargs)
+        with _zero3_init_disabled(accelerator):  # [ZeRO-3]
+            return AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code,
+                                                    **kwargs)
     return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32, use_safetensors=True,
                                                 trust_remote_code=trust_remote_code, **kwargs)
+
+
+@contextlib.contextmanager
+def _zero3_init_disabled(accelerator):
+    """Build a model whole even under a ZeRO-3 launch: transformers wraps construction in `deepspeed.zero.Init`
+    whenever accelerate's DeepSpeed config is registered with it (accelerate 1.15's own
+    `zero3_init_context_manager(enable=False)` re-registers the same config, so it does not switch it off)."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    plugin = getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None)
+    registered = getattr(plugin, "dschf", None)
+    if registered is None:
+        yield
+        return
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_deepspeed.set_hf_deepspeed_config(registered)

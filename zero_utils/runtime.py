@@ -207,3 +207,24 @@ def weights_digest(model) -> str:
         digest.update(name.encode())
         digest.update(full.float().contiguous().numpy().tobytes())
     return digest.hexdigest()
+
+
+def sharding_evidence(model, optimizer) -> dict:
+    """What this rank really holds, to prove the engine is not DDP in disguise: the wrapper classes, the DeepSpeed
+    ZeRO stage, and `local_param_fraction` = parameter elements held here / elements in the model (1.0 when
+    replicated, ~1/world under ZeRO-3 and FSDP2). Engines: all."""
+    from torch.distributed.tensor import DTensor
+
+    module = getattr(model, "module", model)
+    total = local = 0
+    for p in module.parameters():
+        if hasattr(p, "ds_tensor"):  # [ZeRO-3]
+            total, local = total + p.ds_numel, local + p.ds_tensor.numel()
+        elif isinstance(p, DTensor):  # [FSDP2]
+            total, local = total + p.numel(), local + p.to_local().numel()
+        else:
+            total, local = total + p.numel(), local + p.numel()
+    inner = getattr(optimizer, "optimizer", optimizer)
+    stage = model.zero_optimization_stage() if hasattr(model, "zero_optimization_stage") else None
+    return {"model_class": type(model).__name__, "optimizer_class": type(inner).__name__, "zero_stage": stage,
+            "local_param_fraction": local / max(total, 1)}

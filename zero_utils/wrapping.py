@@ -107,3 +107,17 @@ def _final_norm(model: nn.Module, blocks: list[nn.Module]) -> nn.Module | None:
     inside = {id(m) for b in blocks for m in b.modules()}
     norms = [m for m in model.modules() if id(m) not in inside and "norm" in type(m).__name__.lower()]
     return norms[-1] if norms else None
+
+
+def reshard_after_inference(model: nn.Module) -> None:
+    """Free the full parameters FSDP2 still holds after a forward that had no backward (eval, generation).
+
+    Groups built with `reshard_after_forward=False` (the last block, the output head, the root) keep their
+    gathered parameters until backward; after inference there is no backward, so they would stay unsharded and
+    cost memory until the next training step. A no-op for models that are not FSDP2 modules.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()

@@ -1,0 +1,83 @@
+"""Drift guards: every accelerate YAML names the engine its file name says, written for GPU users."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+
+import pytest
+import yaml
+from conftest import CONFIGS, ENGINE_CONFIGS, REPO
+
+pytestmark = pytest.mark.unit
+
+
+def load(name: str) -> dict:
+    return yaml.safe_load((CONFIGS / f"{name}.yaml").read_text())
+
+
+def test_every_config_is_tested_and_every_tested_config_exists():
+    shipped = sorted(p.stem for p in CONFIGS.glob("*.yaml") if not p.stem.startswith("multinode"))
+    assert shipped == sorted(ENGINE_CONFIGS)
+
+
+@pytest.mark.parametrize("name", ENGINE_CONFIGS)
+def test_config_names_its_engine(name):
+    cfg = load(name)
+    assert cfg["mixed_precision"] == "bf16" and cfg["num_processes"] == 8 and cfg["use_cpu"] is False
+    if name == "ddp":
+        assert cfg["distributed_type"] == "MULTI_GPU"
+    elif name.startswith("zero"):
+        ds = cfg["deepspeed_config"]
+        assert cfg["distributed_type"] == "DEEPSPEED" and ds["zero_stage"] == int(name[4])
+        # one source of truth: accumulation and clipping come from the recipe's flags
+        assert "gradient_accumulation_steps" not in ds and "gradient_clipping" not in ds
+        offload = name.endswith("_offload")
+        assert (ds["offload_optimizer_device"] == "cpu") == offload and (ds["offload_param_device"] == "cpu") == offload
+        if ds["zero_stage"] == 3:
+            assert ds["zero3_save_16bit_model"] is True
+    else:
+        fsdp = cfg["fsdp_config"]
+        assert cfg["distributed_type"] == "FSDP" and fsdp["fsdp_version"] == 2
+        assert fsdp["fsdp_reshard_after_forward"] is (name != "fsdp2_zero2")
+        assert fsdp["fsdp_offload_params"] is name.endswith("_offload")
+
+
+def test_recipe_help_runs():
+    out = subprocess.run([sys.executable, str(REPO / "recipes/llama_zero3.py"), "--help"], capture_output=True, text=True)
+    assert out.returncode == 0
+    for flag in ("--model", "--dataset", "--output_dir", "--max_steps", "--per_device_batch_size",
+                 "--gradient_accumulation_steps", "--seq_len", "--lr", "--seed", "--save_every", "--resume", "--report_to"):
+        assert flag in out.stdout
+
+
+def test_unknown_flag_is_an_error_that_names_it():
+    out = subprocess.run([sys.executable, str(REPO / "recipes/llama_zero3.py"), "--max_stepz", "3"],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and "--max_stepz" in out.stderr
+
+
+def test_value_out_of_range_is_an_error_that_names_it():
+    out = subprocess.run([sys.executable, str(REPO / "recipes/llama_zero3.py"), "--per_device_batch_size", "0"],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and "--per_device_batch_size 0" in out.stderr
+
+
+def test_zero_utils_never_imports_recipes():
+    for path in (REPO / "zero_utils").glob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                assert not (node.module or "").startswith("recipes"), path
+            elif isinstance(node, ast.Import):
+                assert not any(a.name.startswith("recipes") for a in node.names), path
+
+
+def test_readme_commands_point_at_real_files():
+    readme = (REPO / "README.md").read_text()
+    for name in ENGINE_CONFIGS:
+        assert f"accelerate_configs/{name}.yaml" in readme
+    for token in readme.split():
+        if token.startswith(("recipes/", "accelerate_configs/")) and token.endswith((".py", ".yaml")):
+            assert (REPO / token.strip("`")).exists(), token
