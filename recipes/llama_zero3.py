@@ -27,7 +27,7 @@ import math
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
@@ -35,59 +35,58 @@ from accelerate.utils import gather_object, set_seed
 from tqdm.auto import tqdm
 
 from zero_utils import checkpoint, data, memory, runtime, tracking, wrapping
-from zero_utils.cli import parse_settings
+from zero_utils.cli import flag, parse_settings
 from zero_utils.errors import UserError
-from zero_utils.model import BUNDLED_MODEL, load_causal_lm, load_tokenizer
+from zero_utils.model import BUNDLED_MODEL, count_parameters, load_causal_lm, load_tokenizer
 from zero_utils.optim import build_adamw, lr_at, set_lr
 
 
 # ---------------------------------------------------------------------------------------------- settings
 @dataclass
 class Settings:
-    model: str = field(default=BUNDLED_MODEL, metadata={"help": "Hub id or local folder of a causal LM"})
-    dataset: str = field(default=data.BUNDLED_DATASET, metadata={"help": "Hub id or local file/folder"})
-    columns: str = field(default="", metadata={"help": "rename columns, e.g. prompt=question,completion=answer"})
-    output_dir: str = field(default="runs/llama_zero3", metadata={"help": "where metrics, checkpoints and final/ go"})
-    max_steps: int = field(default=150, metadata={"help": "optimizer steps", "min": 1})
-    per_device_batch_size: int = field(default=4, metadata={"help": "rows of seq_len tokens per process per micro-step", "min": 1})
-    gradient_accumulation_steps: int = field(default=1, metadata={"help": "micro-steps per optimizer step", "min": 1})
-    seq_len: int = field(default=256, metadata={"help": "tokens per packed row", "min": 8})
-    lr: float = field(default=3e-3, metadata={"help": "peak learning rate", "min": 0.0})
-    weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay on matrices", "min": 0.0})
-    warmup_steps: int = field(default=10, metadata={"help": "linear warmup steps", "min": 0})
-    lr_schedule: str = field(default="cosine", metadata={"help": "decay after warmup", "choices": ["cosine", "constant"]})
-    max_grad_norm: float = field(default=1.0, metadata={"help": "clip the global gradient norm to this", "min": 0.0})
-    seed: int = field(default=42, metadata={"help": "seed for init, data order and the eval split"})
-    eval_fraction: float = field(default=0.05, metadata={"help": "fraction held out when the dataset has no validation split", "min": 0.0})
-    eval_every: int = field(default=50, metadata={"help": "eval every N steps (0 = only at the end)", "min": 0})
-    save_every: int = field(default=0, metadata={"help": "checkpoint every N steps (0 = only at the end)", "min": 0})
-    keep_last: int = field(default=2, metadata={"help": "checkpoints to keep", "min": 1})
-    resume: str = field(default="", metadata={"help": "'auto' (newest complete checkpoint in output_dir) or a path"})
-    overwrite: bool = field(default=False, metadata={"help": "allow an output_dir that already holds checkpoints"})
-    report_to: str = field(default="wandb", metadata={"help": "wandb, none, or any accelerate tracker"})
-    project: str = field(default="zero-recipes", metadata={"help": "tracker project name"})
-    attn_implementation: str = field(default="", metadata={"help": "sdpa (default), eager, flash_attention_2, ..."})
-    prompt: str = field(default="What is the capital of France?", metadata={"help": "answered greedily at the end"})
-    max_new_tokens: int = field(default=24, metadata={"help": "tokens generated for --prompt", "min": 0})
-    verify_replicas: bool = field(default=False, metadata={"help": "hash the gathered weights on every rank at the end (proves the replicas agree)"})
+    model: str = flag(BUNDLED_MODEL, "Hub id or local folder of a causal LM")
+    dataset: str = flag(data.BUNDLED_DATASET, "Hub id or local file/folder")
+    columns: str = flag("", "rename columns, e.g. prompt=question,completion=answer")
+    output_dir: str = flag("runs/llama_zero3", "where metrics, checkpoints and final/ go")
+    max_steps: int = flag(150, "optimizer steps", min=1)
+    per_device_batch_size: int = flag(4, "rows of seq_len tokens per process per micro-step", min=1)
+    gradient_accumulation_steps: int = flag(1, "micro-steps per optimizer step", min=1)
+    seq_len: int = flag(256, "tokens per packed row", min=8)
+    lr: float = flag(3e-3, "peak learning rate", min=0.0)
+    weight_decay: float = flag(0.1, "AdamW weight decay on matrices", min=0.0)
+    warmup_steps: int = flag(10, "linear warmup steps", min=0)
+    lr_schedule: str = flag("cosine", "decay after warmup", choices=["cosine", "constant"])
+    max_grad_norm: float = flag(1.0, "clip the global gradient norm to this", min=0.0)
+    seed: int = flag(42, "seed for init, data order and the eval split")
+    eval_fraction: float = flag(0.05, "fraction held out when the dataset has no validation split", min=0.0)
+    eval_every: int = flag(50, "eval every N steps (0 = only at the end)", min=0)
+    save_every: int = flag(0, "checkpoint every N steps (0 = only at the end)", min=0)
+    keep_last: int = flag(2, "checkpoints to keep", min=1)
+    resume: str = flag("", "'auto' (newest complete checkpoint in output_dir) or a checkpoint path")
+    overwrite: bool = flag(False, "allow an output_dir that already holds checkpoints")
+    report_to: str = flag("wandb", "wandb, none, or any accelerate tracker")
+    project: str = flag("zero-recipes", "tracker project name")
+    attn_implementation: str = flag("", "sdpa (default), eager, flash_attention_2, ...")
+    prompt: str = flag("What is the capital of France?", "answered greedily at the end")
+    max_new_tokens: int = flag(24, "tokens generated for --prompt", min=0)
+    verify_replicas: bool = flag(False, "hash the gathered weights on every rank at the end (proves replicas agree)")
 
 
 def main(cfg: Settings) -> None:
-    # ------------------------------------------------------------------------------ accelerator, seed, tracking
-    accelerator = runtime.build_accelerator(per_device_batch_size=cfg.per_device_batch_size,
-                                            gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-                                            max_grad_norm=cfg.max_grad_norm,
-                                            log_with=tracking.trackers_for(cfg.report_to), project_dir=cfg.output_dir)
+    # ------------------------------------------------------------------------------ accelerator, seed
+    accelerator = runtime.build_accelerator(
+        per_device_batch_size=cfg.per_device_batch_size, gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        max_grad_norm=cfg.max_grad_norm, log_with=tracking.trackers_for(cfg.report_to), project_dir=cfg.output_dir)
     engine = runtime.engine_name(accelerator)
     world, rank, device = accelerator.num_processes, accelerator.process_index, accelerator.device
-    main_print = accelerator.print
     resume_from = checkpoint.resolve_resume(cfg.output_dir, cfg.resume, cfg.overwrite)
     set_seed(cfg.seed)
 
     # ------------------------------------------------------------------------------ data
     tokenizer = load_tokenizer(cfg.model)
+    columns = data.parse_column_map(cfg.columns)
     train_rows, eval_rows, data_info = data.build_sft_datasets(
-        accelerator, tokenizer, cfg.dataset, cfg.seq_len, cfg.eval_fraction, cfg.seed, data.parse_column_map(cfg.columns))
+        accelerator, tokenizer, cfg.dataset, cfg.seq_len, cfg.eval_fraction, cfg.seed, columns)
     global_batch = cfg.per_device_batch_size * cfg.gradient_accumulation_steps * world
     data.check_enough_rows(len(train_rows), global_batch)
 
@@ -96,71 +95,71 @@ def main(cfg: Settings) -> None:
     if cfg.seq_len > model.config.max_position_embeddings:
         raise UserError(f"--seq_len {cfg.seq_len} exceeds the model's max_position_embeddings "
                         f"({model.config.max_position_embeddings}); lower --seq_len.")
-    num_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)  # [ZeRO-3] ds_numel
-    if engine.startswith("fsdp2"):  # [FSDP2] shard block by block, then the root, before the optimizer sees the params
+    num_params = count_parameters(model, trainable_only=True)
+    if engine.startswith("fsdp2"):  # [FSDP2] shard block by block, then the root, before the optimizer sees params
         wrapping.shard_model(model, accelerator)
 
     # ------------------------------------------------------------------------------ optimizer, prepare
     optimizer = build_adamw(model, cfg.lr, cfg.weight_decay)
     model, optimizer = accelerator.prepare(model, optimizer)
-    # Model-state bytes are measured once, right after the inner optimizer's first step (gradients still held):
-    # the same moment under every engine, even under DeepSpeed where `accelerator.backward` runs the step.
+    # Model-state bytes: measured once, right after the inner optimizer's first step (gradients still held), the
+    # same moment under every engine, even under DeepSpeed where `accelerator.backward` runs the step itself.
     model_state = {}
-    memory.after_inner_step_once(optimizer, lambda: model_state.update(memory.measure_model_state_bytes(model, optimizer)))
+    memory.after_inner_step_once(
+        optimizer, lambda: model_state.update(memory.measure_model_state_bytes(model, optimizer)))
     expected_state_bytes = memory.expected_model_state_bytes(engine, num_params, world, accelerator.mixed_precision)
 
-    tracker = tracking.RunTracker(accelerator, cfg.output_dir, cfg.report_to, cfg.project,
-                                  run_name=f"{engine}-{world}x", config={**asdict(cfg), "engine": engine, "world_size": world},
-                                  append=resume_from is not None)
-    start_step = 0
-    if resume_from is not None:
-        start_step = checkpoint.load(accelerator, resume_from)["step"]
-        main_print(f"resumed from {resume_from} at step {start_step}")
-
+    # ------------------------------------------------------------------------------ tracking, resume
+    run_config = {**asdict(cfg), "engine": engine, "world_size": world, "num_params": num_params}
+    tracker = tracking.RunTracker(accelerator, cfg.output_dir, cfg.report_to, cfg.project, config=run_config,
+                                  run_name=f"{engine}-{world}x", append=resume_from is not None)
+    start_step = checkpoint.load(accelerator, resume_from)["step"] if resume_from else 0
     tokens_per_step = global_batch * cfg.seq_len
-    main_print(f"engine {engine} | {world} process(es) | micro-batch {cfg.per_device_batch_size} x accumulation "
-               f"{cfg.gradient_accumulation_steps} x {world} = global batch {global_batch} rows = {tokens_per_step} tokens "
-               f"| {num_params / 1e6:.2f}M params | model states per rank (expected): {expected_state_bytes / 1e6:.1f} MB "
-               f"| mixed precision: {accelerator.mixed_precision}")
-    main_print(f"data: {data_info['layout']} layout, {data_info['train_examples']} train / {data_info['eval_examples']} "
-               f"eval examples -> {data_info['train_rows']} / {data_info['eval_rows']} rows of {cfg.seq_len} tokens"
-               + (f" ({data_info['truncated_examples']} examples truncated)" if data_info["truncated_examples"] else ""))
+    accelerator.print(
+        f"engine {engine} | {world} process(es) | micro-batch {cfg.per_device_batch_size} x accumulation "
+        f"{cfg.gradient_accumulation_steps} x {world} = global batch {global_batch} rows = {tokens_per_step} tokens | "
+        f"{num_params / 1e6:.2f}M params | model states per rank (expected): {expected_state_bytes / 1e6:.1f} MB | "
+        f"mixed precision: {accelerator.mixed_precision}"
+        + (f" | resumed from {resume_from} at step {start_step}" if resume_from else ""))
+    accelerator.print(data.describe(data_info, cfg.seq_len))
     if engine in ("single", "ddp"):
-        main_print(f"no ZeRO engine named by the launch: running {engine}. For ZeRO-3 add "
-                   "--config_file accelerate_configs/fsdp2.yaml (or zero3.yaml for DeepSpeed) to accelerate launch.")
+        accelerator.print(f"no ZeRO engine named by the launch: running {engine}. For ZeRO-3 add --config_file "
+                          "accelerate_configs/fsdp2.yaml (or zero3.yaml for DeepSpeed) to accelerate launch.")
 
     def token_loss_sum(batch):
         logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
-        return F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=data.IGNORE_INDEX,
-                               reduction="sum")
+        return F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(),
+                               ignore_index=data.IGNORE_INDEX, reduction="sum")
 
     def evaluate():
         model.eval()
         totals = torch.zeros(2, device=device)
         with torch.no_grad():
             for batch in data.eval_micro_batches(eval_rows, rank, world, cfg.per_device_batch_size, device):
-                totals += torch.stack([token_loss_sum(batch), (batch["labels"] != data.IGNORE_INDEX).sum().float()])
+                num_tokens = (batch["labels"] != data.IGNORE_INDEX).sum().float()
+                totals += torch.stack([token_loss_sum(batch), num_tokens])
         wrapping.reshard_after_inference(model)  # [FSDP2] free what eval left gathered
         model.train()
         totals = accelerator.reduce(totals, "sum")
         return (totals[0] / totals[1]).item()
 
+    def save_checkpoint(step):
+        checkpoint.save(accelerator, cfg.output_dir, step, keep_last=cfg.keep_last,
+                        meta={"engine": engine, "world_size": world, "settings": asdict(cfg)})
+
     # ------------------------------------------------------------------------------ training loop
     model.train()
-    step_times, tokens_per_s, last = [], [], {}
-    first_step_rows = None
+    step_times, tokens_per_s, last, model_state_max = [], [], {}, {}
     progress = tqdm(range(start_step + 1, cfg.max_steps + 1), initial=start_step, total=cfg.max_steps,
                     disable=not accelerator.is_main_process, desc=f"train [{engine}]")
     for step in progress:
         t0 = time.perf_counter()
-        lr = lr_at(step, max_steps=cfg.max_steps, peak_lr=cfg.lr, warmup_steps=cfg.warmup_steps, schedule=cfg.lr_schedule)
+        lr = lr_at(step, max_steps=cfg.max_steps, peak_lr=cfg.lr, warmup_steps=cfg.warmup_steps,
+                   schedule=cfg.lr_schedule)
         set_lr(optimizer, lr)
         indices = data.global_batch_indices(len(train_rows), global_batch, step, cfg.seed)
         micro_batches = data.rank_micro_batches(train_rows, indices, rank, world, cfg.per_device_batch_size,
                                                 cfg.gradient_accumulation_steps, device)
-        if first_step_rows is None:
-            first_step_rows = sorted(i for k in range(cfg.gradient_accumulation_steps) for i in
-                                     indices[(k * world + rank) * cfg.per_device_batch_size:][:cfg.per_device_batch_size])
         # The loss is the mean over every answer token of the global batch: count them first, then scale each
         # micro-batch's token-loss sum so that (after accelerate divides by the accumulation steps and the engine
         # averages over ranks) the gradient is d(sum of token losses)/d(theta) / global token count.
@@ -177,55 +176,51 @@ def main(cfg: Settings) -> None:
         optimizer.zero_grad()
 
         step_loss = (accelerator.reduce(loss_sum, "sum") / global_tokens).item()
-        peak = accelerator.reduce(torch.tensor(float(memory.peak_memory_bytes(device)), device=device), "max")
-        step_time = time.perf_counter() - t0
-        step_times.append(step_time)
-        tokens_per_s.append(tokens_per_step / step_time)
-        last = {"step": step, "loss": step_loss, "lr": lr, "grad_norm": _to_float(grad_norm),
-                "tokens_per_s": tokens_per_s[-1], "peak_mem_bytes": int(peak.item())}
-        if step == start_step + 1:
-            held = accelerator.reduce(torch.tensor([float(model_state.get(k, 0)) for k in ("total", "params", "grads", "optimizer")],
-                                                   device=device), "max")
-            model_state_max = dict(zip(("total", "params", "grads", "optimizer"), (int(v) for v in held.tolist())))
-        last.update({"model_state_bytes": model_state_max["total"], "model_state_bytes_expected": expected_state_bytes})
-        if eval_rows is not None and ((cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps):
-            last["eval_loss"] = evaluate()
         if not math.isfinite(step_loss):
             raise RuntimeError(f"loss is {step_loss} at step {step}; lower --lr or check the data.")
+        if not model_state_max:  # measured on this first step, constant afterwards
+            model_state_max = runtime.max_over_ranks(accelerator, model_state)
+        step_times.append(time.perf_counter() - t0)
+        tokens_per_s.append(tokens_per_step / step_times[-1])
+        last = {"step": step, "loss": step_loss, "lr": lr, "grad_norm": _to_float(grad_norm),
+                "tokens_per_s": tokens_per_s[-1],
+                "peak_mem_bytes": runtime.max_over_ranks(accelerator, {"p": memory.peak_memory_bytes(device)})["p"],
+                "model_state_bytes": model_state_max["total"], "model_state_bytes_expected": expected_state_bytes}
+        if eval_rows is not None and ((cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps):
+            last["eval_loss"] = evaluate()
         tracker.log_step(last)
         progress.set_postfix(loss=f"{step_loss:.3f}", tok_s=f"{tokens_per_s[-1]:.0f}")
         if cfg.save_every and step % cfg.save_every == 0 and step != cfg.max_steps:
-            checkpoint.save(accelerator, cfg.output_dir, step, meta={"engine": engine, "world_size": world}, keep_last=cfg.keep_last)
+            save_checkpoint(step)
     progress.close()
 
-    # ------------------------------------------------------------------------------ eval, save, summary
-    eval_loss = last.get("eval_loss")
+    # ------------------------------------------------------------------------------ save, answer, summary
     if start_step < cfg.max_steps:
-        checkpoint.save(accelerator, cfg.output_dir, cfg.max_steps, meta={"engine": engine, "world_size": world}, keep_last=cfg.keep_last)
+        save_checkpoint(cfg.max_steps)
     checkpoint.export_final(accelerator, model, tokenizer, f"{cfg.output_dir}/final")
     answer = _greedy_answer(model, tokenizer, cfg.prompt, cfg.max_new_tokens, device) if cfg.max_new_tokens else ""
-    digests = gather_object([runtime.weights_digest(model)]) if cfg.verify_replicas else None
-    rows_per_rank = gather_object([first_step_rows or []])
-    sharding_per_rank = gather_object([runtime.sharding_evidence(model, optimizer)])
-    data_cache_files_written_per_rank = gather_object([data_info["cache_files_written"]])
-
+    eval_loss = last.get("eval_loss")
     summary = {
         "engine": engine, "world_size": world, "mixed_precision": accelerator.mixed_precision,
         "steps": cfg.max_steps, "final_loss": last.get("loss"), "eval_loss": eval_loss,
         "perplexity": math.exp(eval_loss) if eval_loss is not None else None,
         "tokens_per_s": statistics.median(tokens_per_s) if tokens_per_s else None,
         "step_time_s": statistics.median(step_times) if step_times else None,
-        "peak_mem_bytes": last.get("peak_mem_bytes"),
-        "model_state_bytes": last.get("model_state_bytes"), "model_state_bytes_expected": expected_state_bytes,
-        "model_state_breakdown_bytes": model_state_max if last else None,
-        "num_params": num_params, "global_batch_rows": global_batch, "seq_len": cfg.seq_len,
-        "data": data_info, "first_step_rows_per_rank": rows_per_rank, "weights_digest_per_rank": digests,
-        "sharding_per_rank": sharding_per_rank, "data_cache_files_written_per_rank": data_cache_files_written_per_rank,
+        "peak_mem_bytes": last.get("peak_mem_bytes"), "model_state_bytes": model_state_max.get("total"),
+        "model_state_bytes_expected": expected_state_bytes, "model_state_breakdown_bytes": model_state_max or None,
+        "num_params": num_params, "global_batch_rows": global_batch, "seq_len": cfg.seq_len, "data": data_info,
         "prompt": cfg.prompt, "answer": answer, "versions": tracking.software_versions(),
+        # Evidence that the launch is what it claims (tests assert on these): per-rank views of the same run.
+        "first_step_rows_per_rank": gather_object([sum(data.rank_rows(
+            data.global_batch_indices(len(train_rows), global_batch, 1, cfg.seed), rank, world,
+            cfg.per_device_batch_size, cfg.gradient_accumulation_steps), [])]),
+        "sharding_per_rank": gather_object([runtime.sharding_evidence(model, optimizer)]),
+        "data_cache_files_written_per_rank": gather_object([data_info["cache_files_written"]]),
+        "weights_digest_per_rank": gather_object([runtime.weights_digest(model)]) if cfg.verify_replicas else None,
     }
     tracker.write_summary(summary)
-    main_print(f"\n{cfg.prompt!r} -> {answer!r}")
-    main_print(_summary_table(summary))
+    accelerator.print(f"\n{cfg.prompt!r} -> {answer!r}")
+    accelerator.print(_summary_table(summary))
     accelerator.wait_for_everyone()
     accelerator.end_training()  # closes the trackers (flushes W&B) and the process group
 
@@ -261,8 +256,8 @@ def _summary_table(s: dict) -> str:
             ("final loss", fmt(s["final_loss"], ".4f")), ("eval loss", fmt(s["eval_loss"], ".4f")),
             ("tokens/s (median, global)", fmt(s["tokens_per_s"], ",.0f")),
             ("peak memory per rank (max)", fmt((s["peak_mem_bytes"] or 0) / 1e6, ",.1f") + " MB"),
-            ("model states per rank: measured / expected",
-             fmt((s["model_state_bytes"] or 0) / 1e6, ".2f") + " / " + fmt(s["model_state_bytes_expected"] / 1e6, ".2f") + " MB")]
+            ("model states per rank: measured / expected", fmt((s["model_state_bytes"] or 0) / 1e6, ".2f") + " / "
+             + fmt(s["model_state_bytes_expected"] / 1e6, ".2f") + " MB")]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 

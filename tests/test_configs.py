@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -45,10 +46,11 @@ def test_config_names_its_engine(name):
 
 
 def test_recipe_help_runs():
-    out = subprocess.run([sys.executable, str(REPO / "recipes/llama_zero3.py"), "--help"], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, str(REPO / "recipes/llama_zero3.py"), "--help"],
+                         capture_output=True, text=True)
     assert out.returncode == 0
-    for flag in ("--model", "--dataset", "--output_dir", "--max_steps", "--per_device_batch_size",
-                 "--gradient_accumulation_steps", "--seq_len", "--lr", "--seed", "--save_every", "--resume", "--report_to"):
+    for flag in ("--model", "--dataset", "--output_dir", "--max_steps", "--per_device_batch_size", "--seq_len",
+                 "--gradient_accumulation_steps", "--lr", "--seed", "--save_every", "--resume", "--report_to"):
         assert flag in out.stdout
 
 
@@ -81,3 +83,9 @@ def test_readme_commands_point_at_real_files():
     for token in readme.split():
         if token.startswith(("recipes/", "accelerate_configs/")) and token.endswith((".py", ".yaml")):
             assert (REPO / token.strip("`")).exists(), token
+
+
+def test_ruff_clean():
+    ruff = Path(sys.executable).parent / "ruff"
+    out = subprocess.run([str(ruff), "check", str(REPO)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout[-3000:]

@@ -36,7 +36,8 @@ def make_example(rng: random.Random) -> dict:
     kind = rng.randrange(7)
     if kind == 0:
         country = rng.choice(sorted(CAPITALS))
-        prompt = rng.choice(["What is the capital of {}?", "Name the capital city of {}.", "Which city is the capital of {}?"]).format(country)
+        templates = ["What is the capital of {}?", "Name the capital city of {}.", "Which city is the capital of {}?"]
+        prompt = rng.choice(templates).format(country)
         answer = f"The capital of {country} is {CAPITALS[country]}."
     elif kind == 1:
         a, b = rng.randrange(50), rng.randrange(50)
@@ -90,7 +91,8 @@ def main() -> None:
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=1024, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(vocab_size=1024, special_tokens=special,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     corpus = [m["content"] for ex in examples for m in ex["messages"]]
     tokenizer.train_from_iterator(corpus, trainer=trainer)
 

@@ -1,7 +1,7 @@
 """Command-line flags generated from a recipe's settings dataclass: one source of truth for names and defaults.
 
-Each dataclass field becomes `--<name>` with the field's type and default; `field(metadata={"help": ..., "min": x,
-"choices": [...]})` adds help, a lower bound and allowed values. Booleans become `--flag` / `--no-flag`. An unknown
+Each dataclass field becomes `--<name>` with the field's type and default; `flag(default, help, min=, choices=)`
+declares one with its help, lower bound and allowed values. Booleans become `--flag` / `--no-flag`. An unknown
 flag is an error that names it (argparse's own message).
 """
 
@@ -10,6 +10,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import typing
+
+
+def flag(default, help: str, *, min=None, choices=None):
+    """A settings field: its default, its help text, an optional lower bound and allowed values."""
+    return dataclasses.field(default=default, metadata={"help": help, "min": min, "choices": choices})
 
 
 def parse_settings(settings_cls, argv=None, description: str | None = None):

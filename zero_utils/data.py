@@ -58,11 +58,13 @@ def load_raw_dataset(name_or_path: str):
     looks_local = path.suffix in _LOCAL_BUILDERS or name_or_path.startswith((".", "/", "~")) or path.exists()
     if looks_local:
         if not path.exists():
-            raise UserError(f"--dataset {name_or_path!r} does not exist; pass an existing local file/folder or a Hub dataset id.")
+            raise UserError(f"--dataset {name_or_path!r} does not exist; pass an existing local file or folder, "
+                            "or a Hub dataset id.")
         if path.is_file():
             builder = _LOCAL_BUILDERS.get(path.suffix)
             if builder is None:
-                raise UserError(f"--dataset {name_or_path!r} has an unsupported extension; use one of {sorted(_LOCAL_BUILDERS)}.")
+                raise UserError(f"--dataset {name_or_path!r} has an unsupported extension; "
+                                f"use one of {sorted(_LOCAL_BUILDERS)}.")
             return datasets.load_dataset(builder, data_files={"train": str(path)})
         return datasets.load_dataset(str(path))
     return datasets.load_dataset(name_or_path)
@@ -95,7 +97,8 @@ def parse_column_map(spec: str) -> dict[str, str]:
         ours, sep, theirs = item.partition("=")
         ours, theirs = ours.strip(), theirs.strip()
         if not sep or not ours or not theirs:
-            raise UserError(f"--columns item {item!r} is not NAME=COLUMN; write e.g. --columns prompt=question,completion=answer.")
+            raise UserError(f"--columns item {item!r} is not NAME=COLUMN; "
+                            "write e.g. --columns prompt=question,completion=answer.")
         if ours not in known:
             raise UserError(f"--columns names {ours!r}, which is not one of {sorted(known)}.")
         mapping[ours] = theirs
@@ -104,7 +107,8 @@ def parse_column_map(spec: str) -> dict[str, str]:
 
 def to_messages(example: dict, layout: str, column_map: dict[str, str] | None = None) -> list[dict] | str:
     """Turn one raw example into chat messages (or a plain string for the 'text' layout)."""
-    col = {c: (column_map or {}).get(c, c) for c in ("messages", "prompt", "completion", "instruction", "input", "output", "text")}
+    names = ("messages", "prompt", "completion", "instruction", "input", "output", "text")
+    col = {c: (column_map or {}).get(c, c) for c in names}
     if layout == "messages":
         return [{"role": m["role"], "content": m["content"]} for m in example[col["messages"]]]
     if layout == "prompt_completion":
@@ -124,7 +128,8 @@ def render_prompt(tokenizer, messages: list[dict]) -> str:
     if tokenizer.chat_template:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     bos = tokenizer.bos_token or ""
-    return bos + "".join(PLAIN_FORMAT[m["role"]].format(content=m["content"]) for m in messages) + PLAIN_ASSISTANT_PREFIX
+    turns = "".join(PLAIN_FORMAT[m["role"]].format(content=m["content"]) for m in messages)
+    return bos + turns + PLAIN_ASSISTANT_PREFIX
 
 
 def _segments(tokenizer, messages: list[dict]) -> list[tuple[str, bool]]:
@@ -140,7 +145,8 @@ def _segments(tokenizer, messages: list[dict]) -> list[tuple[str, bool]]:
     pieces, rendered = [], ""
     for i, m in enumerate(messages):
         is_assistant = m["role"] == "assistant"
-        before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=is_assistant) if i else ""
+        before = (tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=is_assistant)
+                  if i else "")
         if is_assistant and before.startswith(rendered):
             pieces.append((before[len(rendered):], False))
             rendered = before
@@ -234,8 +240,9 @@ def build_sft_datasets(accelerator, tokenizer, dataset: str, seq_len: int, eval_
             return tokenize_example(tokenizer, to_messages(example, layout, column_map))
 
         def pack(batch):
-            rows, truncated = pack_examples(
-                [{"input_ids": i, "labels": l} for i, l in zip(batch["input_ids"], batch["labels"])], seq_len, pad_id)
+            examples = [{"input_ids": ids, "labels": labels}
+                        for ids, labels in zip(batch["input_ids"], batch["labels"], strict=True)]
+            rows, truncated = pack_examples(examples, seq_len, pad_id)
             out = {k: [r[k] for r in rows] for k in ("input_ids", "labels", "position_ids")}
             out["num_truncated"] = [truncated] + [0] * (len(rows) - 1) if rows else []
             return out
@@ -243,9 +250,10 @@ def build_sft_datasets(accelerator, tokenizer, dataset: str, seq_len: int, eval_
         def process(split_ds, name):
             tokenized = split_ds.map(tokenize, remove_columns=split_ds.column_names, desc=f"tokenize {name}")
             # One big batch packs across the whole split (no waste at batch borders); rows are small ints.
-            packed = tokenized.map(pack, batched=True, batch_size=len(tokenized) or 1, remove_columns=tokenized.column_names,
-                                   desc=f"pack {name} to {seq_len}")
-            return packed.with_format("torch", columns=["input_ids", "labels", "position_ids"]), len(split_ds), sum(packed["num_truncated"])
+            packed = tokenized.map(pack, batched=True, batch_size=len(tokenized) or 1,
+                                   remove_columns=tokenized.column_names, desc=f"pack {name} to {seq_len}")
+            rows = packed.with_format("torch", columns=["input_ids", "labels", "position_ids"])
+            return rows, len(split_ds), sum(packed["num_truncated"])
 
         if not accelerator.is_main_process:
             datasets.disable_progress_bars()
@@ -256,7 +264,8 @@ def build_sft_datasets(accelerator, tokenizer, dataset: str, seq_len: int, eval_
         # The main process tokenizes and packs; the others find its results in the cache and write nothing.
         cache_files_written = len(_files_in(cache_dirs) - files_before)
     if len(train) == 0:
-        raise UserError(f"--dataset {dataset!r} yields no trainable tokens after formatting; check its columns and contents.")
+        raise UserError(f"--dataset {dataset!r} yields no trainable tokens after formatting; "
+                        "check its columns and contents.")
     info = {"layout": layout, "train_examples": n_train, "eval_examples": n_eval, "train_rows": len(train),
             "eval_rows": len(evald) if evald is not None else 0, "truncated_examples": trunc_train + trunc_eval,
             "chat_template": bool(tokenizer.chat_template), "cache_files_written": cache_files_written}
@@ -290,17 +299,31 @@ def global_batch_indices(num_rows: int, global_batch_size: int, step: int, seed:
     return order[start:start + global_batch_size].tolist()
 
 
+def rank_rows(indices: list[int], rank: int, world_size: int, per_device_batch_size: int,
+              gradient_accumulation_steps: int) -> list[list[int]]:
+    """Row indices of this rank's micro-batches within one global batch: micro-step k on rank r gets
+    indices[(k * world_size + r) * b : ... + b]. Returns one list per micro-step."""
+    b = per_device_batch_size
+    return [indices[(k * world_size + rank) * b:(k * world_size + rank + 1) * b]
+            for k in range(gradient_accumulation_steps)]
+
+
 def rank_micro_batches(rows, indices: list[int], rank: int, world_size: int, per_device_batch_size: int,
                        gradient_accumulation_steps: int, device) -> list[dict]:
-    """This rank's micro-batches of one global batch: micro-step k on rank r gets rows
-    indices[(k * world_size + r) * b : ... + b]. Each batch maps column -> LongTensor [b, seq_len] on `device`."""
+    """This rank's micro-batches of one global batch (see `rank_rows`). Each batch maps column -> LongTensor
+    [per_device_batch_size, seq_len] on `device`."""
     out = []
-    b = per_device_batch_size
-    for k in range(gradient_accumulation_steps):
-        start = (k * world_size + rank) * b
-        batch = rows[indices[start:start + b]]
+    for micro_rows in rank_rows(indices, rank, world_size, per_device_batch_size, gradient_accumulation_steps):
+        batch = rows[micro_rows]
         out.append({key: batch[key].to(device) for key in ("input_ids", "labels", "position_ids")})
     return out
+
+
+def describe(info: dict, seq_len: int) -> str:
+    """One line about the prepared data, from the `info` of `build_sft_datasets`."""
+    line = (f"data: {info['layout']} layout, {info['train_examples']} train / {info['eval_examples']} eval examples "
+            f"-> {info['train_rows']} / {info['eval_rows']} rows of {seq_len} tokens")
+    return line + (f" ({info['truncated_examples']} examples truncated)" if info["truncated_examples"] else "")
 
 
 def eval_micro_batches(rows, rank: int, world_size: int, per_device_batch_size: int, device):

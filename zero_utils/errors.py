@@ -1,4 +1,4 @@
-"""The one exception type for mistakes a user can fix (a path, a column, a flag), so recipes can print it as one line."""
+"""The one exception type for mistakes a user can fix (a path, a column, a flag): recipes print it as one line."""
 
 
 class UserError(Exception):

@@ -77,6 +77,12 @@ def load_causal_lm(name_or_path: str, *, accelerator=None, attn_implementation: 
                                                 trust_remote_code=trust_remote_code, **kwargs)
 
 
+def count_parameters(model, trainable_only: bool = False) -> int:
+    """Number of parameter elements of the whole model, also when sharded: DeepSpeed ZeRO-3 partitions report
+    `ds_numel`, FSDP2 DTensors their global shape. Engines: all."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad or not trainable_only)
+
+
 @contextlib.contextmanager
 def _zero3_init_disabled(accelerator):
     """Build a model whole even under a ZeRO-3 launch: transformers wraps construction in `deepspeed.zero.Init`

@@ -85,7 +85,8 @@ def build_accelerator(*, per_device_batch_size: int, gradient_accumulation_steps
     if family == "fsdp" and launch["fsdp_version"] != 2:
         raise UserError("the accelerate config asks for FSDP version 1; these recipes use FSDP2: set fsdp_version: 2.")
     if family == "deepspeed":
-        _check_no_duplicate_setting("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "--gradient_accumulation_steps", gradient_accumulation_steps)
+        _check_no_duplicate_setting("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "--gradient_accumulation_steps",
+                                    gradient_accumulation_steps)
         _check_no_duplicate_setting("ACCELERATE_GRADIENT_CLIPPING", "--max_grad_norm", max_grad_norm)
         os.environ["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] = str(gradient_accumulation_steps)
         os.environ["ACCELERATE_GRADIENT_CLIPPING"] = str(max_grad_norm)
@@ -158,8 +159,8 @@ def check_launch(accelerator) -> None:
     if family == "ddp" and accelerator.distributed_type == DistributedType.NO:
         problems.append("no data parallelism (gradients would never be synchronised)")
     if problems:
-        raise RuntimeError("accelerate did not build the requested engine: " + "; ".join(problems) +
-                           ". This is accelerate's silent fallback (DESIGN.md section 4); check the accelerate version.")
+        raise RuntimeError("accelerate did not build the requested engine: " + "; ".join(problems) + ". This is "
+                           "accelerate's silent CPU fallback (DESIGN.md section 4); check the accelerate version.")
 
 
 def engine_name(accelerator) -> str:
@@ -170,7 +171,8 @@ def engine_name(accelerator) -> str:
     state = accelerator.state
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         zero = state.deepspeed_plugin.deepspeed_config["zero_optimization"]
-        offload = any(str(zero.get(k, {}).get("device", "none")) not in ("none", "None") for k in ("offload_optimizer", "offload_param"))
+        devices = [str(zero.get(k, {}).get("device", "none")) for k in ("offload_optimizer", "offload_param")]
+        offload = any(d not in ("none", "None") for d in devices)
         return f"zero{zero['stage']}" + ("_offload" if offload else "")
     if accelerator.distributed_type == DistributedType.FSDP:
         from torch.distributed.fsdp import CPUOffloadPolicy
@@ -228,3 +230,11 @@ def sharding_evidence(model, optimizer) -> dict:
     stage = model.zero_optimization_stage() if hasattr(model, "zero_optimization_stage") else None
     return {"model_class": type(model).__name__, "optimizer_class": type(inner).__name__, "zero_stage": stage,
             "local_param_fraction": local / max(total, 1)}
+
+
+def max_over_ranks(accelerator, values: dict[str, int]) -> dict[str, int]:
+    """Element-wise maximum over all ranks of a dict of integers (bytes), in one small all-reduce."""
+    keys = sorted(values)
+    stacked = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=accelerator.device)
+    reduced = accelerator.reduce(stacked, "max") if accelerator.num_processes > 1 else stacked
+    return {k: int(v) for k, v in zip(keys, reduced.tolist(), strict=True)}

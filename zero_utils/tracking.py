@@ -33,9 +33,9 @@ def _wandb_has_credentials() -> bool:
 class RunTracker:
     """Writes a run's per-step metrics and summary on the main process, and forwards them to accelerate trackers.
 
-    Files under `output_dir`: `metrics.jsonl` (appended when `append`, else started afresh), `summary.json` (rewritten at the end). With W&B and no
-    credentials (or no network) the run is written offline under `output_dir/wandb` and one line says how to
-    sync it.
+    Files under `output_dir`: `metrics.jsonl` (appended when `append`, else started afresh) and `summary.json`
+    (written at the end). With W&B and no credentials the run is written offline under `output_dir/wandb` and
+    one line says how to sync it.
     """
 
     def __init__(self, accelerator, output_dir: str, report_to: str, project: str, run_name: str, config: dict,
@@ -65,7 +65,8 @@ class RunTracker:
     def log_step(self, metrics: dict) -> None:
         """Append one optimizer step's metrics (must contain 'step') to metrics.jsonl and send them to trackers."""
         if self.trackers:
-            self.accelerator.log({k: v for k, v in metrics.items() if k != "step" and v is not None}, step=metrics["step"])
+            values = {k: v for k, v in metrics.items() if k != "step" and v is not None}
+            self.accelerator.log(values, step=metrics["step"])
         if self.is_main:
             with open(self.output_dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(metrics) + "\n")
