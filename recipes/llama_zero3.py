@@ -101,13 +101,14 @@ def main(cfg: Settings) -> None:
 
     # ------------------------------------------------------------------------------ optimizer, prepare
     optimizer = build_adamw(model, cfg.lr, cfg.weight_decay)
+    expected_state_bytes = memory.expected_model_state_bytes(
+        engine, num_params, world, accelerator.mixed_precision, param_groups=memory.param_group_shapes(optimizer))
     model, optimizer = accelerator.prepare(model, optimizer)
     # Model-state bytes: measured once, right after the inner optimizer's first step (gradients still held), the
     # same moment under every engine, even under DeepSpeed where `accelerator.backward` runs the step itself.
     model_state = {}
     memory.after_inner_step_once(
         optimizer, lambda: model_state.update(memory.measure_model_state_bytes(model, optimizer)))
-    expected_state_bytes = memory.expected_model_state_bytes(engine, num_params, world, accelerator.mixed_precision)
 
     # ------------------------------------------------------------------------------ tracking, resume
     run_config = {**asdict(cfg), "engine": engine, "world_size": world, "num_params": num_params}
@@ -185,7 +186,8 @@ def main(cfg: Settings) -> None:
         last = {"step": step, "loss": step_loss, "lr": lr, "grad_norm": _to_float(grad_norm),
                 "tokens_per_s": tokens_per_s[-1],
                 "peak_mem_bytes": runtime.max_over_ranks(accelerator, {"p": memory.peak_memory_bytes(device)})["p"],
-                "model_state_bytes": model_state_max["total"], "model_state_bytes_expected": expected_state_bytes}
+                "model_state_bytes": model_state_max["total"], "model_state_bytes_expected": expected_state_bytes,
+                "engine_buffer_bytes": model_state_max["engine_buffers"]}
         if eval_rows is not None and ((cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps):
             last["eval_loss"] = evaluate()
         tracker.log_step(last)

@@ -48,6 +48,8 @@ def isolated_env(tmp_root: Path) -> dict:
         "HF_HOME": str(tmp_root / "hf_home"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
         "WANDB_MODE": "offline", "WANDB_SILENT": "true", "TOKENIZERS_PARALLELISM": "false",
         "PYTHONWARNINGS": "ignore", "TQDM_MININTERVAL": "5",
+        # The launched recipes import zero_utils from this checkout, whatever is installed.
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
     })
     env.pop("WANDB_API_KEY", None)
     return env

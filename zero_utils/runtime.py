@@ -78,7 +78,7 @@ def build_accelerator(*, per_device_batch_size: int, gradient_accumulation_steps
     Returns the `Accelerator`. Raises `RuntimeError` if the result is not the engine the launch named.
     """
     from accelerate import Accelerator, DistributedType, PartialState
-    from accelerate.utils import InitProcessGroupKwargs
+    from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
 
     launch = _launch_env()
     family = requested_engine_family()
@@ -104,6 +104,9 @@ def build_accelerator(*, per_device_batch_size: int, gradient_accumulation_steps
             PartialState._shared_state["distributed_type"] = DistributedType.MULTI_CPU
         elif family == "deepspeed":
             kwargs_handlers.append(InitProcessGroupKwargs(backend="gloo"))
+    if family == "ddp":
+        # Gradients become views into DDP's reducer buckets instead of a second copy (-4 bytes/param).
+        kwargs_handlers.append(DistributedDataParallelKwargs(gradient_as_bucket_view=True))
 
     accelerator = Accelerator(gradient_accumulation_steps=gradient_accumulation_steps, log_with=log_with,
                               project_dir=project_dir, kwargs_handlers=kwargs_handlers)

@@ -1,0 +1,292 @@
+"""The memory estimator (`python -m zero_utils.memory`): ZeRO formulas, LoRA, offload, HSDP, config-based
+parameter counts, activations, the cheapest engine that fits, and the CLI's output and errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO
+
+from zero_utils import memory
+from zero_utils.errors import UserError
+
+pytestmark = pytest.mark.unit
+
+PAPER_ENGINES = ("ddp", "zero1", "zero2", "zero3")
+LLAMA_7B = {"hidden_size": 4096, "num_layers": 32, "vocab_size": 32000, "intermediate_size": 11008, "num_heads": 32}
+LLAMA_70B = {"hidden_size": 8192, "num_layers": 80, "vocab_size": 32000, "intermediate_size": 28672, "num_heads": 64}
+
+
+def gpu_state_bytes(engine, num_params, world_size, mixed_precision="bf16", formula="paper", **kwargs) -> int:
+    """The textbook ZeRO formula (the paper's 2 + 2 + 12 bytes) unless `formula="engine"`."""
+    return memory.model_state_bytes(engine, num_params, world_size, mixed_precision, formula=formula,
+                                    **kwargs).gpu_bytes
+
+
+def test_7b_on_8_gpus_matches_the_zero_formulas():
+    got = {engine: gpu_state_bytes(engine, 7 * 10**9, 8) for engine in (*PAPER_ENGINES, "fsdp2", "fsdp2_zero2")}
+    assert got == {"ddp": 112e9, "zero1": 38.5e9, "zero2": 26.25e9, "zero3": 14e9, "fsdp2": 14e9, "fsdp2_zero2": 14e9}
+
+
+def test_zero_paper_table_7_5b_on_64_gpus():
+    got = [round(gpu_state_bytes(engine, 7_500_000_000, 64) / 1e9, 1) for engine in PAPER_ENGINES]
+    assert got == [120.0, 31.4, 16.6, 1.9]
+
+
+def test_engine_rows_are_the_measured_bytes_per_param():
+    """Measured from live tensors right after the step at 4 ranks (docs/MEMORY.md), for an even split:
+    fp32 DDP 16, ZeRO-1/2 4 + 20/N, ZeRO-3 24/N, FSDP2 16/N; bf16 ZeRO-1/2 2 + 18/N, ZeRO-3 20/N."""
+    psi = 1_000_000
+    engines = ("ddp", "zero1", "zero2", "zero3", "fsdp2")
+    fp32 = {engine: memory.expected_model_state_bytes(engine, psi, 4, "no") / psi for engine in engines}
+    assert fp32 == {"ddp": 16, "zero1": 9, "zero2": 9, "zero3": 6, "fsdp2": 4}
+    bf16 = {engine: memory.expected_model_state_bytes(engine, psi, 4, "bf16") / psi for engine in engines}
+    assert bf16 == {"ddp": 16, "zero1": 6.5, "zero2": 6.5, "zero3": 5, "fsdp2": 4}
+
+
+def test_uneven_sharding_is_added_exactly_from_the_layout():
+    """ZeRO-1/2 keep the gradients of whole parameters cut by a partition border; FSDP2 pads dim 0; ZeRO-3 pads
+    each parameter: the remainder is computed from the shapes, not hidden in a tolerance."""
+    groups = [[(10, 4), (7, 3)], [(5,)]]  # 40 + 21 + 5 = 66 parameters in two optimizer groups
+    # FSDP2 at 4 ranks: rank 0 holds ceil(10/4)*4 + ceil(7/4)*3 + ceil(5/4) = 12 + 6 + 2 = 20 of an even 16.5
+    assert memory.sharding_remainder_bytes("fsdp2", groups, 4, "no") == round(3.5 * 16)
+    # ZeRO-3 at 4 ranks: ceil(40/4) + ceil(21/4) + ceil(5/4) = 10 + 6 + 2 = 18 elements of 16.5, at 24 B each
+    assert memory.sharding_remainder_bytes("zero3", groups, 4, "no") == round(1.5 * 24)
+    # ZeRO-2 at 2 ranks: group 0 (61 elements, padded to 64) splits at 32: rank 0 keeps the (10, 4) param whole
+    # (40) and rank 1 both params it touches (40 + 21 = 61); group 1 (5, padded to 8) is on both: max 61 + 5 = 66
+    assert memory.sharding_remainder_bytes("zero2", groups, 2, "no") == round((66 - 33) * 4)
+    assert memory.sharding_remainder_bytes("ddp", groups, 2, "no") == 0
+
+
+def test_recipe_call_counts_gpu_and_cpu_and_accepts_every_engine_name():
+    psi = 2_000_000
+    assert memory.expected_model_state_bytes("zero3_offload", psi, 2, "bf16") == 20 * psi // 2
+    assert memory.expected_model_state_bytes("fsdp2_zero2_offload", psi, 2, "bf16") == 16 * psi // 2
+    assert memory.expected_model_state_bytes("single", psi, 1) == 16 * psi
+    with pytest.raises(UserError, match="zero4"):
+        memory.expected_model_state_bytes("zero4", psi, 2)
+
+
+@pytest.mark.parametrize("engine", ["ddp", "zero1", "zero2", "zero3", "fsdp2", "fsdp2_zero2"])
+def test_lora_trains_a_fraction_and_stores_frozen_weights_in_the_compute_dtype(engine):
+    psi, world, fraction = 8_000_000, 4, 0.25
+    full = memory.model_state_bytes(engine, psi, world, "bf16")
+    lora = memory.model_state_bytes(engine, int(psi * fraction), world, "bf16", frozen_params=int(psi * (1 - fraction)))
+    assert lora.gpu["grads"] == pytest.approx(full.gpu["grads"] * fraction, abs=2)
+    assert lora.gpu["optimizer"] == pytest.approx(full.gpu["optimizer"] * fraction, abs=2)
+    shards_params = engine in ("zero3", "fsdp2", "fsdp2_zero2")
+    frozen_bytes = 2 * psi * (1 - fraction) / (world if shards_params else 1)
+    assert lora.gpu["params"] == pytest.approx(full.gpu["params"] * fraction + frozen_bytes, abs=2)
+
+
+def test_lora_fraction_in_the_estimate_matches_the_formula():
+    setup = memory.Setup(num_params=8_000_000, num_gpus=4, lora_fraction=0.5, formula="paper")
+    [zero3] = memory.estimate(setup, ("zero3",))
+    assert zero3.model_states.gpu == {"params": 2 * 8_000_000 // 4, "grads": 2 * 4_000_000 // 4,
+                                      "optimizer": 12 * 4_000_000 // 4}
+
+
+def test_offload_moves_bytes_from_gpu_to_cpu():
+    psi, world = 8_000_000, 8
+    kept = memory.model_state_bytes("zero3", psi, world, "bf16")
+    optimizer_off = memory.model_state_bytes("zero3", psi, world, "bf16", offload_optimizer=True)
+    assert optimizer_off.gpu == {"params": kept.gpu["params"], "grads": 0, "optimizer": 0}
+    assert optimizer_off.cpu == {"params": 0, "grads": kept.gpu["grads"], "optimizer": kept.gpu["optimizer"]}
+    both_off = memory.model_state_bytes("zero3_offload", psi, world, "bf16")
+    assert both_off.gpu_bytes == 0 and both_off.cpu_bytes == kept.total_bytes
+    fsdp_off = memory.model_state_bytes("fsdp2_offload", psi, world, "bf16")
+    fsdp_kept = memory.model_state_bytes("fsdp2", psi, world, "bf16")
+    assert fsdp_off.gpu_bytes == 0 and fsdp_off.cpu_bytes == fsdp_kept.total_bytes
+    zero2_off = memory.model_state_bytes("zero2", psi, world, "bf16", offload_optimizer=True)
+    assert zero2_off.gpu == {"params": 2 * psi, "grads": 0, "optimizer": 0}  # whole bf16 params stay on every GPU
+
+
+def test_offload_flags_apply_where_each_engine_can_offload():
+    setup = memory.Setup(num_params=8_000_000, num_gpus=8, offload_optimizer=True, formula="paper")
+    cpu = {r.engine: r.model_states.cpu_bytes for r in memory.estimate(setup)}
+    assert cpu["ddp"] == 0 and cpu["fsdp2"] == 0  # DDP cannot offload; FSDP2 offloads only with its params
+    assert cpu["zero1"] == 12 * 8_000_000 // 8 and cpu["zero3"] == 14 * 8_000_000 // 8
+
+
+@pytest.mark.parametrize("engine, kwargs", [
+    ("ddp", {"offload_optimizer": True}),
+    ("zero2", {"offload_params": True}),
+    ("fsdp2", {"offload_optimizer": True, "offload_params": False}),
+])
+def test_offload_an_engine_cannot_do_is_a_user_error(engine, kwargs):
+    with pytest.raises(UserError, match="offload"):
+        memory.model_state_bytes(engine, 1000, 2, "bf16", **kwargs)
+
+
+def test_sgd_keeps_only_a_master_copy_where_the_engine_has_one():
+    psi, world = 8_000_000, 8
+    assert memory.model_state_bytes("zero3", psi, world, "bf16", optimizer="sgd").gpu["optimizer"] == 4 * psi // world
+    assert memory.model_state_bytes("fsdp2", psi, world, "bf16", optimizer="sgd").gpu["optimizer"] == 0
+    assert memory.model_state_bytes("ddp", psi, world, "no", optimizer="sgd").gpu_bytes == 8 * psi
+
+
+def test_hsdp_divides_fsdp2_by_the_shard_group_not_the_world():
+    setup = memory.Setup(num_params=7 * 10**9, num_gpus=8, num_nodes=4, formula="paper")
+    flat = {r.engine: r.model_states.gpu_bytes for r in memory.estimate(setup)}
+    hsdp = {r.engine: r.model_states.gpu_bytes for r in memory.estimate(memory.Setup(**{**setup.__dict__,
+                                                                                         "hsdp": True}))}
+    assert flat["fsdp2"] == 16 * 7 * 10**9 // 32
+    assert hsdp["fsdp2"] == hsdp["fsdp2_zero2"] == 16 * 7 * 10**9 // 8
+    assert hsdp["zero3"] == flat["zero3"] == 16 * 7 * 10**9 // 32
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_model_config_counts_exactly_the_parameters_of_the_model(tmp_path, tied):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=500, tie_word_embeddings=tied)
+    config.save_pretrained(tmp_path)
+    model = LlamaForCausalLM(config)
+    expected = sum(p.numel() for p in model.parameters())
+    for source in (tmp_path, tmp_path / "config.json"):
+        arch = memory.architecture_from_model(str(source))
+        assert arch.num_params == expected
+    assert arch.block_params == sum(p.numel() for p in model.model.layers[0].parameters())
+    assert arch.embed_params == (0 if tied else 500 * 64)
+    assert arch.num_layers * arch.block_params + arch.embed_params + arch.head_params == expected
+    assert (arch.hidden_size, arch.intermediate_size, arch.num_heads, arch.gated_mlp) == (64, 176, 4, True)
+
+
+def test_a_missing_model_path_is_a_user_error(tmp_path):
+    for missing in (tmp_path / "nope", tmp_path / "nope" / "config.json"):
+        with pytest.raises(UserError, match="does not exist"):
+            memory.architecture_from_model(str(missing))
+
+
+def test_activations_follow_korthikanti_et_al():
+    s, b, h, a, layers, vocab = 1024, 2, 512, 8, 4, 1000
+    arch = memory.architecture_from_sizes(10**8, h, layers, vocab, num_heads=a)  # GPT MLP (4h, not gated)
+    logits = s * b * vocab * (2 + 4)
+    kwargs = {"seq_len": s, "micro_batch_size": b, "activation_checkpointing": False}
+    eager = memory.activation_bytes(arch, attention="eager", **kwargs)
+    assert eager == layers * s * b * h * (34 + 5 * a * s // h) + logits
+    assert memory.activation_bytes(arch, attention="sdpa", **kwargs) == layers * s * b * h * 34 + logits
+    checkpointed = memory.activation_bytes(arch, **{**kwargs, "activation_checkpointing": True})
+    assert checkpointed == layers * 2 * s * b * h + s * b * h * 34 + logits
+    assert memory.activation_bytes(arch, dtype="fp32", **kwargs) == 2 * layers * s * b * h * 34 + s * b * vocab * 8
+
+
+def test_fsdp2_without_reshard_keeps_the_whole_model_gathered():
+    arch = memory.architecture_from_sizes(7 * 10**9, **LLAMA_7B)
+    zero2_like = memory.transient_bytes("fsdp2_zero2", arch)
+    zero3_like = memory.transient_bytes("fsdp2", arch)
+    assert zero2_like >= 2 * 7 * 10**9 > 5 * zero3_like
+
+
+def test_params_alone_give_no_activations_and_say_why(capsys):
+    [result] = memory.estimate(memory.Setup(num_params=7 * 10**9), ("zero3",))
+    assert result.activation_bytes is None and result.total_bytes is None
+    assert memory.main(["--params", "7B"]) == 0
+    assert "activations and transients need the architecture: pass --model" in capsys.readouterr().out
+    assert memory.main(["--params", "7B", "--gpu_memory", "80GB"]) == 2
+    assert "--gpu_memory needs activation estimates" in capsys.readouterr().err
+
+
+def _pick(params, num_gpus, gpu_memory, **setup):
+    arch = memory.architecture_from_sizes(params, **LLAMA_7B)
+    results = memory.estimate(memory.Setup(num_params=params, num_gpus=num_gpus, arch=arch, **setup))
+    return memory.cheapest_fit(results, memory.parse_bytes(gpu_memory)), {r.engine: r for r in results}
+
+
+def test_gpu_memory_picks_the_cheapest_engine_that_fits():
+    chosen, results = _pick(7 * 10**9, 8, "80GB", seq_len=2048, micro_batch_size=1, activation_checkpointing=True)
+    assert chosen.engine == "zero1"
+    assert not memory.fits(results["ddp"], 80 * 10**9) and memory.fits(results["zero1"], 80 * 10**9)
+    # 13B on 8 x 40 GB: ZeRO-1/2 keep whole 16-bit params, fsdp2_zero2 gathers the whole model: ZeRO-3 is first.
+    chosen, results = _pick(13 * 10**9, 8, "40GB", activation_checkpointing=True)
+    assert chosen.engine == "zero3" and not memory.fits(results["fsdp2_zero2"], 40 * 10**9)
+    chosen, _ = _pick(70 * 10**9, 8, "80GB", activation_checkpointing=True)
+    assert chosen.engine == "zero3_offload"
+
+
+def test_nothing_fits_says_what_would(capsys):
+    # 70B on 8 x 24 GB: FSDP2 states of 1120 GB / N need 128 GPUs; offloaded, GPUs hold activations and buffers.
+    argv = ["--params", "70B", "--num_gpus", "8", "--gpu_memory", "24GB", "--activation_checkpointing",
+            "--engines", "ddp,zero3,fsdp2", *[f"--{k}={v}" for k, v in LLAMA_70B.items()]]
+    assert memory.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "nothing fits" in out and "cheapest that fits" not in out
+    assert "zero3_offload (CPU offload) fits on these GPUs" in out and "fsdp2 fits on 16 nodes of 8 GPUs" in out
+
+
+def test_launch_command_for_one_and_several_nodes():
+    assert memory.launch_command("zero1", 8) == ("accelerate launch --config_file accelerate_configs/zero1.yaml "
+                                                 "--num_processes 8 recipes/llama_zero3.py")
+    multi = memory.launch_command("fsdp2", 8, num_nodes=4, hsdp=True)
+    assert "--num_processes 32 --num_machines 4 --machine_rank <0..3>" in multi
+    assert "--parallelism_config_dp_replicate_size 4 --parallelism_config_dp_shard_size 8" in multi
+    for engine in memory.ENGINES:
+        assert (REPO / "accelerate_configs" / f"{engine}.yaml").is_file()
+
+
+@pytest.mark.parametrize("text, count", [("7e9", 7 * 10**9), ("7B", 7 * 10**9), ("7000000000", 7 * 10**9),
+                                         ("1.5M", 1_500_000), ("125m", 125_000_000)])
+def test_parse_count(text, count):
+    assert memory.parse_count(text) == count
+
+
+@pytest.mark.parametrize("text, nbytes", [("80GB", 80 * 10**9), ("80GiB", 80 * 2**30), ("80e9", 80 * 10**9),
+                                          ("40 GB", 40 * 10**9)])
+def test_parse_bytes(text, nbytes):
+    assert memory.parse_bytes(text) == nbytes
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--params", "7X"], "'7X'"),
+    (["--params", "7B", "--num_gpus", "0"], "--num_gpus 0"),
+    (["--params", "7B", "--num_gpus", "eight"], "'eight'"),
+    (["--params", "7B", "--engines", "zero4"], "'zero4'"),
+    (["--params", "7B", "--gpu_memory", "80"], "'80'"),
+    (["--params", "7B", "--lora_fraction", "2"], "--lora_fraction 2"),
+    (["--model", "./no/such/model"], "./no/such/model"),
+    (["--num_gpus", "8"], "--params"),
+])
+def test_user_errors_exit_2_with_one_line(capsys, argv, named):
+    assert memory.main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    [line] = captured.err.splitlines()
+    assert line.startswith("error: ") and named in line
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "zero_utils.memory", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_cli_prints_the_zero_table():
+    proc = _cli("--params", "7B", "--num_gpus", "8", "--formula", "paper")
+    assert proc.returncode == 0, proc.stderr
+    assert "Per-GPU memory in GB (1 GB = 1e9 bytes)" in proc.stdout
+    rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if line.split()[:1] and
+            line.split()[0] in memory.ENGINES}
+    assert [rows[e][4] for e in PAPER_ENGINES] == ["112.00", "38.50", "26.25", "14.00"]
+
+
+def test_cli_json_matches_the_functions():
+    proc = _cli("--params", "7B", "--num_gpus", "8", "--offload_optimizer", "--json")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert [row["engine"] for row in data["engines"]] == list(memory.ENGINES)
+    setup = memory.Setup(num_params=7 * 10**9, num_gpus=8, offload_optimizer=True)
+    for row, result in zip(data["engines"], memory.estimate(setup), strict=True):
+        assert row["model_state_bytes"] == result.model_states.gpu_bytes
+        assert row["cpu_bytes"] == result.model_states.cpu_bytes
+        assert row["model_state_bytes"] + row["cpu_bytes"] == memory.expected_model_state_bytes(
+            row["engine"], 7 * 10**9, 8, "bf16")
+
+
+def test_cli_error_exits_2():
+    proc = _cli("--params", "7B", "--engines", "zero4")
+    assert proc.returncode == 2 and proc.stdout == ""
+    expected = f"error: unknown engine 'zero4'; use one of: {', '.join(memory.ENGINES)}."
+    assert proc.stderr.strip().splitlines() == [expected]
