@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 from accelerate.utils import gather_object, set_seed
+from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from zero_utils import checkpoint, data, memory, runtime, tracking, wrapping
@@ -66,9 +67,11 @@ class Settings:
     overwrite: bool = flag(False, "allow an output_dir that already holds checkpoints")
     report_to: str = flag("wandb", "wandb, none, or any accelerate tracker")
     project: str = flag("zero-recipes", "tracker project name")
+    group: str = flag("", "tracker run group (W&B group), e.g. one comparison of engines")
     attn_implementation: str = flag("", "sdpa (default), eager, flash_attention_2, ...")
     prompt: str = flag("What is the capital of France?", "answered greedily at the end")
     max_new_tokens: int = flag(24, "tokens generated for --prompt", min=0)
+    async_save: bool = flag(False, "FSDP2/DDP: write checkpoints in the background while training goes on")
     verify_replicas: bool = flag(False, "hash the gathered weights on every rank at the end (proves replicas agree)")
 
 
@@ -96,6 +99,14 @@ def main(cfg: Settings) -> None:
         raise UserError(f"--seq_len {cfg.seq_len} exceeds the model's max_position_embeddings "
                         f"({model.config.max_position_embeddings}); lower --seq_len.")
     num_params = count_parameters(model, trainable_only=True)
+    resume_meta = checkpoint.read_metadata(resume_from) if resume_from else None
+    if resume_meta:  # refuse an incompatible checkpoint before any expensive work
+        for warning in checkpoint.check_compatible(resume_meta, storage=checkpoint.storage_for(engine),
+                                                   config_hash=checkpoint.model_config_hash(model.config),
+                                                   global_batch_rows=global_batch):
+            accelerator.print(f"warning: {warning}")
+        if engine.startswith("zero"):  # [DeepSpeed] another world size resumes through a universal checkpoint
+            checkpoint.prepare_deepspeed_resume(accelerator, resume_from, resume_meta)
     if engine.startswith("fsdp2"):  # [FSDP2] shard block by block, then the root, before the optimizer sees params
         wrapping.shard_model(model, accelerator)
 
@@ -111,10 +122,14 @@ def main(cfg: Settings) -> None:
         optimizer, lambda: model_state.update(memory.measure_model_state_bytes(model, optimizer)))
 
     # ------------------------------------------------------------------------------ tracking, resume
-    run_config = {**asdict(cfg), "engine": engine, "world_size": world, "num_params": num_params}
+    run_config = {**asdict(cfg), "engine": engine, "world_size": world, "num_params": num_params,
+                  "mixed_precision": accelerator.mixed_precision, "global_batch_rows": global_batch,
+                  **{f"version_{k}": v for k, v in tracking.software_versions().items()}}
+    start_step = checkpoint.load(accelerator, model, optimizer, resume_from)["step"] if resume_from else 0
     tracker = tracking.RunTracker(accelerator, cfg.output_dir, cfg.report_to, cfg.project, config=run_config,
-                                  run_name=f"{engine}-{world}x", append=resume_from is not None)
-    start_step = checkpoint.load(accelerator, resume_from)["step"] if resume_from else 0
+                                  run_name=f"{engine}-{world}x", group=cfg.group or None,
+                                  resume_step=start_step if resume_from else None,
+                                  resume_run_id=(resume_meta or {}).get("tracker_run_id"))
     tokens_per_step = global_batch * cfg.seq_len
     accelerator.print(
         f"engine {engine} | {world} process(es) | micro-batch {cfg.per_device_batch_size} x accumulation "
@@ -145,10 +160,17 @@ def main(cfg: Settings) -> None:
         return (totals[0] / totals[1]).item()
 
     def save_checkpoint(step):
-        checkpoint.save(accelerator, cfg.output_dir, step, keep_last=cfg.keep_last,
-                        meta={"engine": engine, "world_size": world, "settings": asdict(cfg)})
+        meta = {"engine": engine, "storage": checkpoint.storage_for(engine), "world_size": world,
+                "global_batch_rows": global_batch, "examples_seen": step * global_batch, "seed": cfg.seed,
+                "model_config_hash": checkpoint.model_config_hash(model_config), "tracker_run_id": tracker.run_id,
+                "versions": tracking.software_versions(), "settings": asdict(cfg)}
+        return checkpoint.save(accelerator, model, optimizer, cfg.output_dir, step, meta=meta,
+                               keep_last=cfg.keep_last, hf_files=(model_config, tokenizer),
+                               use_async=cfg.async_save and not engine.startswith("zero"))
 
     # ------------------------------------------------------------------------------ training loop
+    model_config = accelerator.unwrap_model(model).config
+    pending_save = None  # an async checkpoint still being written
     model.train()
     step_times, tokens_per_s, last, model_state_max = [], [], {}, {}
     progress = tqdm(range(start_step + 1, cfg.max_steps + 1), initial=start_step, total=cfg.max_steps,
@@ -193,13 +215,23 @@ def main(cfg: Settings) -> None:
         tracker.log_step(last)
         progress.set_postfix(loss=f"{step_loss:.3f}", tok_s=f"{tokens_per_s[-1]:.0f}")
         if cfg.save_every and step % cfg.save_every == 0 and step != cfg.max_steps:
-            save_checkpoint(step)
+            if pending_save:
+                pending_save.finish(step)
+            pending_save = save_checkpoint(step)
     progress.close()
 
     # ------------------------------------------------------------------------------ save, answer, summary
+    if pending_save:
+        pending_save.finish(cfg.max_steps)
+    final_checkpoint = resume_from
     if start_step < cfg.max_steps:
         save_checkpoint(cfg.max_steps)
-    checkpoint.export_final(accelerator, model, tokenizer, f"{cfg.output_dir}/final")
+        final_checkpoint = checkpoint.list_complete(cfg.output_dir)[-1][1]
+    if accelerator.is_main_process:  # streams the checkpoint's shards into safetensors: no full gather anywhere
+        checkpoint.export(final_checkpoint, f"{cfg.output_dir}/final")
+    probe_logits = _last_logits(model, tokenizer, cfg.prompt, device)  # every rank: the forward is sharded
+    if accelerator.is_main_process:
+        save_file({"logits": probe_logits}, f"{cfg.output_dir}/probe_logits.safetensors")
     answer = _greedy_answer(model, tokenizer, cfg.prompt, cfg.max_new_tokens, device) if cfg.max_new_tokens else ""
     eval_loss = last.get("eval_loss")
     summary = {
@@ -212,6 +244,7 @@ def main(cfg: Settings) -> None:
         "model_state_bytes_expected": expected_state_bytes, "model_state_breakdown_bytes": model_state_max or None,
         "num_params": num_params, "global_batch_rows": global_batch, "seq_len": cfg.seq_len, "data": data_info,
         "prompt": cfg.prompt, "answer": answer, "versions": tracking.software_versions(),
+        "checkpoint": str(final_checkpoint), "checkpoint_bytes": checkpoint.checkpoint_bytes(final_checkpoint),
         # Evidence that the launch is what it claims (tests assert on these): per-rank views of the same run.
         "first_step_rows_per_rank": gather_object([sum(data.rank_rows(
             data.global_batch_indices(len(train_rows), global_batch, 1, cfg.seed), rank, world,
@@ -231,6 +264,18 @@ def _to_float(value) -> float:
     if hasattr(value, "full_tensor"):  # [FSDP2] clip_grad_norm_ may return a DTensor
         value = value.full_tensor()
     return float(value) if value is not None else float("nan")
+
+
+@torch.no_grad()
+def _last_logits(model, tokenizer, prompt: str, device) -> torch.Tensor:
+    """fp32 logits of the last prompt position (the export test compares the exported model against them)."""
+    ids = tokenizer(data.render_prompt(tokenizer, [{"role": "user", "content": prompt}]), add_special_tokens=False,
+                    return_tensors="pt")["input_ids"].to(device)
+    model.eval()
+    logits = model(input_ids=ids, use_cache=False).logits[0, -1].float().cpu()
+    wrapping.reshard_after_inference(model)  # [FSDP2]
+    model.train()
+    return logits
 
 
 @torch.no_grad()

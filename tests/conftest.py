@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -64,12 +65,21 @@ def launch(output_dir: Path, *recipe_args: str, config: str | None = None, num_p
         cmd += ["--config_file", str(CONFIGS / f"{config}.yaml")]
     if num_processes is not None:
         cmd += ["--num_processes", str(num_processes)]
+    # A port of its own: launches that share accelerate's default 29500 (two test sessions, or a test and a
+    # run by hand) join each other's rendezvous and fail in odd ways.
+    cmd += ["--main_process_port", str(free_port())]
     if mixed_precision:
         cmd += ["--mixed_precision", mixed_precision]
     cmd += list(launch_args) + [str(REPO / recipe), "--output_dir", str(output_dir), *recipe_args]
     proc = subprocess.run(cmd, cwd=REPO, env=env or isolated_env(output_dir.parent), capture_output=True, text=True,
                           timeout=timeout)
     return Run(proc.returncode, proc.stdout, proc.stderr, output_dir)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
@@ -88,4 +98,41 @@ def runs(session_root):
             cache[name] = launch(session_root / name, *recipe_args, env=env, **kwargs)
         return cache[name]
 
+    return get
+
+
+# The 8-step fp32 runs on a 3.3M-parameter model that the memory, equivalence and checkpoint tests share: global
+# batch 8 rows of 64 tokens, checkpoints at steps 4 and 8, clipping at 0.5 active on every step.
+EIGHT_STEPS = ("--max_steps", "8", "--save_every", "4", "--seq_len", "64", "--max_grad_norm", "0.5",
+               "--warmup_steps", "2", "--lr", "2e-3", "--eval_fraction", "0", "--max_new_tokens", "0",
+               "--report_to", "none")
+
+
+@pytest.fixture(scope="session")
+def small_model(session_root) -> str:
+    """A 3.3M-parameter Llama (hidden 256, 4 layers): big enough that engine buffers are noise."""
+    from transformers import AutoTokenizer, LlamaConfig
+
+    path = session_root / "small-llama"
+    if not path.exists():
+        tokenizer = AutoTokenizer.from_pretrained(REPO / "zero_utils/assets/tiny-llama")
+        LlamaConfig(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                    tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
+                    eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id).save_pretrained(path)
+        tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def run_layout(runs, small_model):
+    """`run_layout(engine, world, per_device_batch, accumulation)`: the shared 8-step run of that layout
+    ('single' = one process, no config)."""
+    def get(engine: str, world: int, batch: int, accumulation: int) -> Run:
+        args = (*EIGHT_STEPS, "--model", small_model, "--per_device_batch_size", str(batch),
+                "--gradient_accumulation_steps", str(accumulation))
+        if engine == "single":
+            return runs(f"zm-single-{batch}x{accumulation}", *args, num_processes=1, mixed_precision="no").check()
+        return runs(f"zm-{engine}-{world}-{batch}x{accumulation}", *args, config=engine, num_processes=world,
+                    mixed_precision="no").check()
     return get

@@ -33,21 +33,21 @@ def _wandb_has_credentials() -> bool:
 class RunTracker:
     """Writes a run's per-step metrics and summary on the main process, and forwards them to accelerate trackers.
 
-    Files under `output_dir`: `metrics.jsonl` (appended when `append`, else started afresh) and `summary.json`
-    (written at the end). With W&B and no credentials the run is written offline under `output_dir/wandb` and
-    one line says how to sync it.
+    Files under `output_dir`: `metrics.jsonl` and `summary.json` (written at the end). A fresh run starts
+    metrics.jsonl anew; a run resumed at `resume_step` keeps the lines up to that step (an interrupted run may
+    have logged steps after its last checkpoint) and appends. With W&B and no credentials the run is written
+    offline under `output_dir/wandb` and one line says how to sync it.
     """
 
     def __init__(self, accelerator, output_dir: str, report_to: str, project: str, run_name: str, config: dict,
-                 group: str | None = None, append: bool = False):
+                 group: str | None = None, resume_step: int | None = None, resume_run_id: str | None = None):
         self.accelerator = accelerator
         self.output_dir = Path(output_dir)
         self.is_main = accelerator.is_main_process
         self.trackers = trackers_for(report_to) or []
         if self.is_main:
             self.output_dir.mkdir(parents=True, exist_ok=True)
-            if not append:  # a fresh run starts its own record; a resumed one continues it
-                (self.output_dir / "metrics.jsonl").unlink(missing_ok=True)
+            _restart_metrics(self.output_dir / "metrics.jsonl", resume_step)
         if not self.trackers:
             return
         init_kwargs = {}
@@ -55,12 +55,21 @@ class RunTracker:
             if not _wandb_has_credentials() and not os.environ.get("WANDB_MODE"):
                 os.environ["WANDB_MODE"] = "offline"
             init_kwargs["wandb"] = {"dir": str(self.output_dir), "name": run_name, "group": group}
+            if resume_run_id:  # the resumed run continues the same W&B run: one curve, not two
+                init_kwargs["wandb"].update(id=resume_run_id, resume="allow")
         accelerator.init_trackers(project, config=_loggable(config), init_kwargs=init_kwargs)
         if self.is_main and "wandb" in self.trackers and os.environ.get("WANDB_MODE") == "offline":
             run_dir = accelerator.get_tracker("wandb", unwrap=True).dir
             offline_dir = Path(run_dir).parent
             print(f"[zero_utils] W&B is offline (no API key or network): run saved in {offline_dir}; "
                   f"upload it later with `wandb sync {offline_dir}`.")
+
+    @property
+    def run_id(self) -> str | None:
+        """The W&B run id (stored in checkpoints so a resumed run continues the same W&B run), or None."""
+        if "wandb" in self.trackers and self.is_main:
+            return self.accelerator.get_tracker("wandb", unwrap=True).id
+        return None
 
     def log_step(self, metrics: dict) -> None:
         """Append one optimizer step's metrics (must contain 'step') to metrics.jsonl and send them to trackers."""
@@ -78,6 +87,14 @@ class RunTracker:
             if "wandb" in self.trackers:
                 run = self.accelerator.get_tracker("wandb", unwrap=True)
                 run.summary.update({k: v for k, v in summary.items() if isinstance(v, (int, float, str))})
+
+
+def _restart_metrics(path: Path, resume_step: int | None) -> None:
+    if resume_step is None or not path.exists():
+        path.unlink(missing_ok=True)
+        return
+    kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= resume_step]
+    path.write_text("".join(line + "\n" for line in kept))
 
 
 def software_versions() -> dict:
