@@ -37,7 +37,7 @@ from tqdm.auto import tqdm
 
 from zero_utils import checkpoint, data, memory, runtime, tracking, wrapping
 from zero_utils.cli import flag, parse_settings
-from zero_utils.errors import UserError
+from zero_utils.errors import TrainingStopped, UserError
 from zero_utils.model import BUNDLED_MODEL, count_parameters, load_causal_lm, load_tokenizer
 from zero_utils.optim import build_adamw, lr_at, set_lr
 
@@ -58,17 +58,20 @@ class Settings:
     warmup_steps: int = flag(10, "linear warmup steps", min=0)
     lr_schedule: str = flag("cosine", "decay after warmup", choices=["cosine", "constant"])
     max_grad_norm: float = flag(1.0, "clip the global gradient norm to this", min=0.0)
+    max_bad_steps: int = flag(0, "non-finite losses tolerated (their updates skipped) before the run stops", min=0)
     seed: int = flag(42, "seed for init, data order and the eval split")
     eval_fraction: float = flag(0.05, "fraction held out when the dataset has no validation split", min=0.0)
     eval_every: int = flag(50, "eval every N steps (0 = only at the end)", min=0)
     save_every: int = flag(0, "checkpoint every N steps (0 = only at the end)", min=0)
     keep_last: int = flag(2, "checkpoints to keep", min=1)
+    collective_timeout_s: int = flag(1800, "a rank waiting this long on a dead peer fails the job", min=10)
     resume: str = flag("", "'auto' (newest complete checkpoint in output_dir) or a checkpoint path")
     overwrite: bool = flag(False, "allow an output_dir that already holds checkpoints")
     report_to: str = flag("wandb", "wandb, none, or any accelerate tracker")
     project: str = flag("zero-recipes", "tracker project name")
     group: str = flag("", "tracker run group (W&B group), e.g. one comparison of engines")
     attn_implementation: str = flag("", "sdpa (default), eager, flash_attention_2, ...")
+    gradient_checkpointing: bool = flag(False, "recompute each block's activations in backward (less memory)")
     prompt: str = flag("What is the capital of France?", "answered greedily at the end")
     max_new_tokens: int = flag(24, "tokens generated for --prompt", min=0)
     async_save: bool = flag(False, "FSDP2/DDP: write checkpoints in the background while training goes on")
@@ -79,7 +82,9 @@ def main(cfg: Settings) -> None:
     # ------------------------------------------------------------------------------ accelerator, seed
     accelerator = runtime.build_accelerator(
         per_device_batch_size=cfg.per_device_batch_size, gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-        max_grad_norm=cfg.max_grad_norm, log_with=tracking.trackers_for(cfg.report_to), project_dir=cfg.output_dir)
+        max_grad_norm=cfg.max_grad_norm, log_with=tracking.trackers_for(cfg.report_to), project_dir=cfg.output_dir,
+        timeout_s=cfg.collective_timeout_s)
+    runtime.catch_stop_signals()  # SIGTERM/SIGINT/SIGUSR1: finish the step, save, exit
     engine = runtime.engine_name(accelerator)
     world, rank, device = accelerator.num_processes, accelerator.process_index, accelerator.device
     resume_from = checkpoint.resolve_resume(cfg.output_dir, cfg.resume, cfg.overwrite)
@@ -99,6 +104,8 @@ def main(cfg: Settings) -> None:
         raise UserError(f"--seq_len {cfg.seq_len} exceeds the model's max_position_embeddings "
                         f"({model.config.max_position_embeddings}); lower --seq_len.")
     num_params = count_parameters(model, trainable_only=True)
+    if cfg.gradient_checkpointing:  # before sharding, so every engine wraps the checkpointed blocks
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     resume_meta = checkpoint.read_metadata(resume_from) if resume_from else None
     if resume_meta:  # refuse an incompatible checkpoint before any expensive work
         for warning in checkpoint.check_compatible(resume_meta, storage=checkpoint.storage_for(engine),
@@ -172,7 +179,8 @@ def main(cfg: Settings) -> None:
     model_config = accelerator.unwrap_model(model).config
     pending_save = None  # an async checkpoint still being written
     model.train()
-    step_times, tokens_per_s, last, model_state_max = [], [], {}, {}
+    step_times, tokens_per_s, last, model_state_max, bad_steps = [], [], {}, {}, 0
+    activation_bytes = {}  # bytes autograd saved for backward in the first micro-batch (with and without recompute)
     progress = tqdm(range(start_step + 1, cfg.max_steps + 1), initial=start_step, total=cfg.max_steps,
                     disable=not accelerator.is_main_process, desc=f"train [{engine}]")
     for step in progress:
@@ -191,16 +199,27 @@ def main(cfg: Settings) -> None:
         loss_sum = torch.zeros((), device=device)
         for batch in micro_batches:
             with accelerator.accumulate(model):
-                micro_loss_sum = token_loss_sum(batch)
+                with memory.count_saved_activations(activation_bytes):  # measures the first forward only
+                    micro_loss_sum = token_loss_sum(batch)
                 accelerator.backward(micro_loss_sum * (world * cfg.gradient_accumulation_steps / global_tokens))
                 loss_sum += micro_loss_sum.detach()
+        step_loss = (accelerator.reduce(loss_sum, "sum") / global_tokens).item()
+        if not math.isfinite(step_loss):
+            # Skip the update (DeepSpeed has already applied it inside backward) and stop past --max_bad_steps,
+            # without saving: the last good checkpoint stays the newest.
+            optimizer.zero_grad()
+            bad_steps += 1
+            if bad_steps > cfg.max_bad_steps:
+                newest = checkpoint.list_complete(cfg.output_dir)
+                raise TrainingStopped(
+                    f"the loss became {step_loss} at step {step} ({bad_steps} non-finite step(s), --max_bad_steps "
+                    f"{cfg.max_bad_steps}); stopped without saving, the last good checkpoint is "
+                    f"{newest[-1][1] if newest else 'none'}. Lower --lr or check the data, then --resume auto.")
+            accelerator.print(f"warning: non-finite loss at step {step}, update skipped ({bad_steps} so far)")
+            continue
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad()
-
-        step_loss = (accelerator.reduce(loss_sum, "sum") / global_tokens).item()
-        if not math.isfinite(step_loss):
-            raise RuntimeError(f"loss is {step_loss} at step {step}; lower --lr or check the data.")
         if not model_state_max:  # measured on this first step, constant afterwards
             model_state_max = runtime.max_over_ranks(accelerator, model_state)
         step_times.append(time.perf_counter() - t0)
@@ -214,10 +233,18 @@ def main(cfg: Settings) -> None:
             last["eval_loss"] = evaluate()
         tracker.log_step(last)
         progress.set_postfix(loss=f"{step_loss:.3f}", tok_s=f"{tokens_per_s[-1]:.0f}")
-        if cfg.save_every and step % cfg.save_every == 0 and step != cfg.max_steps:
+        stop_signal = runtime.stop_requested(accelerator)  # every rank agrees on the same step
+        if stop_signal or (cfg.save_every and step % cfg.save_every == 0 and step != cfg.max_steps):
             if pending_save:
                 pending_save.finish(step)
             pending_save = save_checkpoint(step)
+        if stop_signal:
+            if pending_save:
+                pending_save.finish(step)
+            accelerator.print(f"\n{stop_signal} received: stopped after step {step} with a complete checkpoint in "
+                              f"{cfg.output_dir}/checkpoints/step_{step}; continue with --resume auto.")
+            accelerator.end_training()
+            return
     progress.close()
 
     # ------------------------------------------------------------------------------ save, answer, summary
@@ -241,10 +268,12 @@ def main(cfg: Settings) -> None:
         "tokens_per_s": statistics.median(tokens_per_s) if tokens_per_s else None,
         "step_time_s": statistics.median(step_times) if step_times else None,
         "peak_mem_bytes": last.get("peak_mem_bytes"), "model_state_bytes": model_state_max.get("total"),
+        "saved_activation_bytes": activation_bytes.get("saved"),
         "model_state_bytes_expected": expected_state_bytes, "model_state_breakdown_bytes": model_state_max or None,
         "num_params": num_params, "global_batch_rows": global_batch, "seq_len": cfg.seq_len, "data": data_info,
         "prompt": cfg.prompt, "answer": answer, "versions": tracking.software_versions(),
-        "checkpoint": str(final_checkpoint), "checkpoint_bytes": checkpoint.checkpoint_bytes(final_checkpoint),
+        "tracker_run_id": tracker.run_id, "group": cfg.group or None, "checkpoint": str(final_checkpoint),
+        "checkpoint_bytes": checkpoint.checkpoint_bytes(final_checkpoint),
         # Evidence that the launch is what it claims (tests assert on these): per-rank views of the same run.
         "first_step_rows_per_rank": gather_object([sum(data.rank_rows(
             data.global_batch_indices(len(train_rows), global_batch, 1, cfg.seed), rank, world,
@@ -316,3 +345,6 @@ if __name__ == "__main__":
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
+    except TrainingStopped as stopped:
+        print(f"stopped: {stopped}", file=sys.stderr)
+        sys.exit(1)

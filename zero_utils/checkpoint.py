@@ -156,7 +156,7 @@ def save(accelerator, model, optimizer, output_dir: str, step: int, *, meta: dic
 
         state = _dcp_state(model, optimizer)
         if use_async:
-            future = dcp.async_save(state, checkpoint_id=str(tmp / DCP_DIR))
+            future = dcp.async_save(state, checkpoint_id=str(tmp / DCP_DIR), process_group=_async_save_group())
         else:
             dcp.save(state, checkpoint_id=str(tmp / DCP_DIR))
     if os.environ.get(_CRASH_ENV) == f"{accelerator.process_index}:{step}":
@@ -198,6 +198,22 @@ class PendingSave:
                 shutil.rmtree(old, ignore_errors=True)
         accelerator.wait_for_everyone()
         return self.final
+
+
+_async_group = []
+
+
+def _async_save_group():
+    """A process group of its own for background saves (created once, by every rank at its first async save):
+    the save's collectives run on a thread while training runs collectives on the default group, and two
+    threads on one gloo group corrupt each other's messages (torchtitan does the same)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return None
+    if not _async_group:
+        _async_group.append(dist.new_group(backend="gloo"))
+    return _async_group[0]
 
 
 def _dcp_state(model, optimizer) -> dict:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from zero_utils import runtime
 from zero_utils.errors import UserError
 
 BUNDLED_DATASET = str(Path(__file__).resolve().parent / "assets" / "sft_tiny.jsonl")
@@ -223,7 +224,7 @@ def build_sft_datasets(accelerator, tokenizer, dataset: str, seq_len: int, eval_
     """
     import datasets
 
-    with accelerator.main_process_first():
+    def prepare():
         raw = load_raw_dataset(dataset)
         train_raw = raw["train"] if "train" in raw else raw[next(iter(raw))]
         eval_raw = next((raw[s] for s in ("validation", "test") if s in raw), None)
@@ -263,13 +264,15 @@ def build_sft_datasets(accelerator, tokenizer, dataset: str, seq_len: int, eval_
         evald, n_eval, trunc_eval = process(eval_raw, "eval") if eval_raw is not None else (None, 0, 0)
         # The main process tokenizes and packs; the others find its results in the cache and write nothing.
         cache_files_written = len(_files_in(cache_dirs) - files_before)
-    if len(train) == 0:
-        raise UserError(f"--dataset {dataset!r} yields no trainable tokens after formatting; "
-                        "check its columns and contents.")
-    info = {"layout": layout, "train_examples": n_train, "eval_examples": n_eval, "train_rows": len(train),
-            "eval_rows": len(evald) if evald is not None else 0, "truncated_examples": trunc_train + trunc_eval,
-            "chat_template": bool(tokenizer.chat_template), "cache_files_written": cache_files_written}
-    return train, evald, info
+        if len(train) == 0:
+            raise UserError(f"--dataset {dataset!r} yields no trainable tokens after formatting; "
+                            "check its columns and contents.")
+        info = {"layout": layout, "train_examples": n_train, "eval_examples": n_eval, "train_rows": len(train),
+                "eval_rows": len(evald) if evald is not None else 0, "truncated_examples": trunc_train + trunc_eval,
+                "chat_template": bool(tokenizer.chat_template), "cache_files_written": cache_files_written}
+        return train, evald, info
+
+    return runtime.main_process_first(accelerator, prepare)
 
 
 def _files_in(directories) -> set[str]:

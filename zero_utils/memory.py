@@ -40,6 +40,7 @@ fragmentation. CLI: `python -m zero_utils.memory --params 7B --num_gpus 8` (see 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import resource
@@ -342,6 +343,35 @@ def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+@contextlib.contextmanager
+def count_saved_activations(result: dict):
+    """Count the bytes autograd saves for backward inside the block (a forward pass) into `result["saved"]`, the
+    first time only; parameters saved by reference are not activations and are not counted.
+
+    This is the activation memory of a forward pass, measured exactly and on any device: with activation
+    checkpointing only the block inputs are saved, the rest is recomputed in backward. Engines: all.
+    """
+    if "saved" in result:
+        yield
+        return
+    seen: set[int] = set()
+    total = 0
+
+    def pack(tensor):
+        nonlocal total
+        if tensor.is_leaf and tensor.requires_grad:  # a parameter, held anyway
+            return tensor
+        key, nbytes = _storage_key_and_bytes(tensor)
+        if key not in seen:
+            seen.add(key)
+            total += nbytes
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        yield
+    result["saved"] = total
 
 
 def after_inner_step_once(optimizer, callback) -> None:

@@ -14,6 +14,7 @@ written into the DeepSpeed config here, and a YAML that sets them too is an erro
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import logging
 import os
@@ -66,7 +67,7 @@ def _check_no_duplicate_setting(env_key: str, flag: str, value) -> None:
 
 
 def build_accelerator(*, per_device_batch_size: int, gradient_accumulation_steps: int, max_grad_norm: float,
-                      log_with: str | list | None = None, project_dir: str | None = None):
+                      log_with: str | list | None = None, project_dir: str | None = None, timeout_s: int = 1800):
     """Create the Accelerator for the engine the launch asked for (DDP, DeepSpeed ZeRO-1/2/3, FSDP2), on GPU or CPU.
 
     Args:
@@ -74,6 +75,7 @@ def build_accelerator(*, per_device_batch_size: int, gradient_accumulation_steps
         gradient_accumulation_steps: micro-batches per optimizer step (also written into DeepSpeed's config).
         max_grad_norm: clipping threshold (DeepSpeed clips inside its engine: written as `gradient_clipping`).
         log_with, project_dir: passed to `Accelerator` for trackers.
+        timeout_s: collective timeout: a rank waiting this long for a dead peer raises instead of hanging.
 
     Returns the `Accelerator`. Raises `RuntimeError` if the result is not the engine the launch named.
     """
@@ -91,19 +93,20 @@ def build_accelerator(*, per_device_batch_size: int, gradient_accumulation_steps
         os.environ["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] = str(gradient_accumulation_steps)
         os.environ["ACCELERATE_GRADIENT_CLIPPING"] = str(max_grad_norm)
 
-    kwargs_handlers = []
+    timeout = datetime.timedelta(seconds=timeout_s)
+    kwargs_handlers = [InitProcessGroupKwargs(timeout=timeout)]
     on_cpu = not torch.cuda.is_available()
     if on_cpu and launch["under_launcher"]:
         # [CPU] accelerate only selects FSDP/DDP for accelerator devices; initialise gloo ourselves and tell the
         # shared state which branch to take (verified against accelerate 1.15; a test fails if this changes).
         if family == "fsdp":
-            PartialState(backend="gloo")
+            PartialState(backend="gloo", timeout=timeout)
             PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
         elif family == "ddp":
-            PartialState(backend="gloo")
+            PartialState(backend="gloo", timeout=timeout)
             PartialState._shared_state["distributed_type"] = DistributedType.MULTI_CPU
         elif family == "deepspeed":
-            kwargs_handlers.append(InitProcessGroupKwargs(backend="gloo"))
+            kwargs_handlers = [InitProcessGroupKwargs(backend="gloo", timeout=timeout)]
     if family == "ddp":
         # Gradients become views into DDP's reducer buckets instead of a second copy (-4 bytes/param).
         kwargs_handlers.append(DistributedDataParallelKwargs(gradient_as_bucket_view=True))
@@ -231,8 +234,15 @@ def sharding_evidence(model, optimizer) -> dict:
             total, local = total + p.numel(), local + p.numel()
     inner = getattr(optimizer, "optimizer", optimizer)
     stage = model.zero_optimization_stage() if hasattr(model, "zero_optimization_stage") else None
+    from torch.distributed.fsdp import FSDPModule
+
+    units: dict[str, int] = {}  # [FSDP2] how many modules of each class are their own FSDP unit
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            name = type(m).__name__.removeprefix("FSDP")
+            units[name] = units.get(name, 0) + 1
     return {"model_class": type(model).__name__, "optimizer_class": type(inner).__name__, "zero_stage": stage,
-            "local_param_fraction": local / max(total, 1)}
+            "local_param_fraction": local / max(total, 1), "fsdp_units": units}
 
 
 def max_over_ranks(accelerator, values: dict[str, int]) -> dict[str, int]:
@@ -241,3 +251,56 @@ def max_over_ranks(accelerator, values: dict[str, int]) -> dict[str, int]:
     stacked = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=accelerator.device)
     reduced = accelerator.reduce(stacked, "max") if accelerator.num_processes > 1 else stacked
     return {k: int(v) for k, v in zip(keys, reduced.tolist(), strict=True)}
+
+
+def main_process_first(accelerator, work):
+    """Run `work()` on the main process, then on the others (which then find its results in caches), and
+    return its result on every rank.
+
+    Unlike accelerate's `main_process_first` context, a `UserError` raised on the main process reaches every
+    rank (all raise it with the same sentence) instead of leaving the others waiting at a barrier forever.
+    """
+    from accelerate.utils import broadcast_object_list
+
+    error, result = None, None
+    if accelerator.is_main_process:
+        try:
+            result = work()
+        except UserError as exc:
+            error = str(exc)
+    if accelerator.num_processes > 1:
+        error = broadcast_object_list([error], from_process=0)[0]
+    if error is not None:
+        raise UserError(error)
+    if not accelerator.is_main_process:
+        result = work()
+    return result
+
+
+_STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")  # preemption, Ctrl-C, SLURM's --signal warning
+_stop_received: list[str] = []
+
+
+def catch_stop_signals() -> None:
+    """Turn SIGTERM, SIGINT and SIGUSR1 into a request to stop at the next step boundary (see `stop_requested`).
+
+    torchrun forwards a signal sent to the launcher to every worker and kills them after its 30 s grace period,
+    so the save that follows must fit in that time (DESIGN.md section 4)."""
+    import signal
+
+    def handler(signum, _frame):
+        _stop_received.append(signal.Signals(signum).name)
+
+    for name in _STOP_SIGNALS:
+        signal.signal(getattr(signal, name), handler)
+
+
+def stop_requested(accelerator) -> str | None:
+    """The name of a stop signal received by any rank, agreed on by all ranks in one tiny all-reduce, or None.
+    Call it at the same point of every step on every rank."""
+    flag = torch.tensor([1.0 if _stop_received else 0.0], device=accelerator.device)
+    if accelerator.num_processes > 1:
+        flag = accelerator.reduce(flag, "max")
+    if flag.item() == 0:
+        return None
+    return _stop_received[0] if _stop_received else "a stop signal (on another rank)"

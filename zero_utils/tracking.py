@@ -21,7 +21,8 @@ def trackers_for(report_to: str) -> list[str] | None:
     return names or None
 
 
-def _wandb_has_credentials() -> bool:
+def wandb_has_credentials() -> bool:
+    """Whether W&B can log in here: an API key in the environment or in ~/.netrc."""
     if os.environ.get("WANDB_API_KEY"):
         return True
     try:
@@ -52,7 +53,7 @@ class RunTracker:
             return
         init_kwargs = {}
         if "wandb" in self.trackers:
-            if not _wandb_has_credentials() and not os.environ.get("WANDB_MODE"):
+            if not wandb_has_credentials() and not os.environ.get("WANDB_MODE"):
                 os.environ["WANDB_MODE"] = "offline"
             init_kwargs["wandb"] = {"dir": str(self.output_dir), "name": run_name, "group": group}
             if resume_run_id:  # the resumed run continues the same W&B run: one curve, not two

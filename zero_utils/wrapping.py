@@ -54,7 +54,8 @@ def shard_model(model: nn.Module, accelerator, block_override: str | None = None
 
     Reads from `accelerator.state.fsdp_plugin`: reshard_after_forward (True = ZeRO-3, False = ZeRO-2 behaviour),
     the mixed-precision param dtype (gradients are reduced in fp32, torchtitan's default) and the CPU offload
-    policy. Parameters become DTensors sharded on dim 0 over all ranks (each rank holds ~1/world of each).
+    policy. Parameters become DTensors sharded on dim 0 over all ranks (each rank holds ~1/world of each), or, with
+    HSDP (parallelism_config dp_replicate_size > 1), over the ranks of one shard group and replicated across groups.
     Returns the same module (now an `FSDPModule`). Engines: FSDP2.
     """
     from torch.distributed.device_mesh import init_device_mesh
@@ -67,7 +68,7 @@ def shard_model(model: nn.Module, accelerator, block_override: str | None = None
     # (FSDPLlamaDecoderLayer) and accelerate's own lookup in `prepare` would no longer find them.
     plugin.transformer_cls_names_to_wrap = [cls.__name__ for cls in block_classes]
     plugin.set_auto_wrap_policy(model)
-    mesh = init_device_mesh(accelerator.device.type, (accelerator.num_processes,))
+    mesh = _fsdp_mesh(accelerator, init_device_mesh)
     policy = plugin.mixed_precision_policy
     param_dtype = getattr(policy, "param_dtype", None)
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
@@ -93,6 +94,16 @@ def shard_model(model: nn.Module, accelerator, block_override: str | None = None
         fully_shard(tail, reshard_after_forward=False, **common)
     fully_shard(model, reshard_after_forward=False, **common)
     return model
+
+
+def _fsdp_mesh(accelerator, init_device_mesh):
+    """The mesh FSDP2 shards over: accelerate's (1-D over all ranks, or 2-D (dp_replicate, dp_shard) for HSDP when
+    the YAML's parallelism_config asks for replication: shard within a node, replicate across nodes)."""
+    config = getattr(accelerator, "parallelism_config", None)
+    mesh = getattr(accelerator, "torch_device_mesh", None)
+    if config is not None and mesh is not None and config.fsdp_dim_names:
+        return mesh[tuple(config.fsdp_dim_names)]
+    return init_device_mesh(accelerator.device.type, (accelerator.num_processes,))
 
 
 def _plugin_layer_override(plugin) -> str | None:

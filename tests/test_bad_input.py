@@ -1,0 +1,37 @@
+"""Mistakes a user can make end in one sentence, exit code 2, no traceback from our code, and no rank left
+waiting: launched as users launch, on 2 processes (the in-process checks are in test_data and test_configs)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+pytestmark = [pytest.mark.distributed]
+FAST = ("--max_steps", "1", "--report_to", "none", "--max_new_tokens", "0", "--seq_len", "64")
+
+
+def assert_one_sentence(run, *needles):
+    assert run.returncode != 0
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
+    assert errors, run.stderr[-3000:]
+    assert all(needle in errors[0] for needle in needles), errors[0]
+    assert not re.search(r'File ".*/(zero_utils|recipes)/', run.stderr)  # no traceback through our code
+
+
+def test_missing_dataset_stops_every_rank(runs, tmp_path):
+    run = runs("bad-dataset-path", *FAST, "--dataset", str(tmp_path / "missing.jsonl"), config="fsdp2", timeout=180)
+    assert_one_sentence(run, "missing.jsonl", "does not exist")
+
+
+def test_dataset_without_known_columns_names_them(runs, tmp_path):
+    path = tmp_path / "qa.jsonl"
+    path.write_text("".join(json.dumps({"question": f"q{i}", "answer": f"a{i}"}) + "\n" for i in range(20)))
+    run = runs("bad-dataset-columns", *FAST, "--dataset", str(path), config="zero3", timeout=180)
+    assert_one_sentence(run, "['answer', 'question']", "--columns")
+
+
+def test_seq_len_beyond_the_model_is_refused(runs):
+    run = runs("bad-seq-len", *FAST[:-2], "--seq_len", "4096", config="ddp", timeout=180)
+    assert_one_sentence(run, "--seq_len 4096", "max_position_embeddings")
