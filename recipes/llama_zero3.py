@@ -25,7 +25,6 @@ Outputs: --output_dir/{metrics.jsonl, summary.json, checkpoints/step_<N>/, final
 
 import math
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -35,9 +34,9 @@ from accelerate.utils import gather_object, set_seed
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from zero_utils import checkpoint, data, memory, runtime, tracking, wrapping
-from zero_utils.cli import flag, parse_settings
-from zero_utils.errors import TrainingStopped, UserError
+from zero_utils import checkpoint, data, errors, generate, memory, runtime, tracking, wrapping
+from zero_utils.cli import flag, run_recipe
+from zero_utils.errors import UserError
 from zero_utils.model import BUNDLED_MODEL, count_parameters, load_causal_lm, load_tokenizer
 from zero_utils.optim import build_adamw, lr_at, set_lr
 
@@ -71,6 +70,7 @@ class Settings:
     project: str = flag("zero-recipes", "tracker project name")
     group: str = flag("", "tracker run group (W&B group), e.g. one comparison of engines")
     attn_implementation: str = flag("", "sdpa (default), eager, flash_attention_2, ...")
+    trust_remote_code: bool = flag(False, "run the model repository's own Python code (only for repos you trust)")
     gradient_checkpointing: bool = flag(False, "recompute each block's activations in backward (less memory)")
     prompt: str = flag("What is the capital of France?", "answered greedily at the end")
     max_new_tokens: int = flag(24, "tokens generated for --prompt", min=0)
@@ -91,7 +91,7 @@ def main(cfg: Settings) -> None:
     set_seed(cfg.seed)
 
     # ------------------------------------------------------------------------------ data
-    tokenizer = load_tokenizer(cfg.model)
+    tokenizer = load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code)
     columns = data.parse_column_map(cfg.columns)
     train_rows, eval_rows, data_info = data.build_sft_datasets(
         accelerator, tokenizer, cfg.dataset, cfg.seq_len, cfg.eval_fraction, cfg.seed, columns)
@@ -99,7 +99,8 @@ def main(cfg: Settings) -> None:
     data.check_enough_rows(len(train_rows), global_batch)
 
     # ------------------------------------------------------------------------------ model
-    model = load_causal_lm(cfg.model, accelerator=accelerator, attn_implementation=cfg.attn_implementation or None)
+    model = load_causal_lm(cfg.model, accelerator=accelerator, attn_implementation=cfg.attn_implementation or None,
+                           trust_remote_code=cfg.trust_remote_code)
     if cfg.seq_len > model.config.max_position_embeddings:
         raise UserError(f"--seq_len {cfg.seq_len} exceeds the model's max_position_embeddings "
                         f"({model.config.max_position_embeddings}); lower --seq_len.")
@@ -120,7 +121,8 @@ def main(cfg: Settings) -> None:
     # ------------------------------------------------------------------------------ optimizer, prepare
     optimizer = build_adamw(model, cfg.lr, cfg.weight_decay)
     expected_state_bytes = memory.expected_model_state_bytes(
-        engine, num_params, world, accelerator.mixed_precision, param_groups=memory.param_group_shapes(optimizer))
+        engine, num_params, world, accelerator.mixed_precision, param_groups=memory.param_group_shapes(optimizer),
+        shard_group_size=runtime.shard_group_size(accelerator))
     model, optimizer = accelerator.prepare(model, optimizer)
     # Model-state bytes: measured once, right after the inner optimizer's first step (gradients still held), the
     # same moment under every engine, even under DeepSpeed where `accelerator.backward` runs the step itself.
@@ -211,7 +213,7 @@ def main(cfg: Settings) -> None:
             bad_steps += 1
             if bad_steps > cfg.max_bad_steps:
                 newest = checkpoint.list_complete(cfg.output_dir)
-                raise TrainingStopped(
+                raise errors.TrainingStopped(
                     f"the loss became {step_loss} at step {step} ({bad_steps} non-finite step(s), --max_bad_steps "
                     f"{cfg.max_bad_steps}); stopped without saving, the last good checkpoint is "
                     f"{newest[-1][1] if newest else 'none'}. Lower --lr or check the data, then --resume auto.")
@@ -256,10 +258,11 @@ def main(cfg: Settings) -> None:
         final_checkpoint = checkpoint.list_complete(cfg.output_dir)[-1][1]
     if accelerator.is_main_process:  # streams the checkpoint's shards into safetensors: no full gather anywhere
         checkpoint.export(final_checkpoint, f"{cfg.output_dir}/final")
-    probe_logits = _last_logits(model, tokenizer, cfg.prompt, device)  # every rank: the forward is sharded
+    # Every rank takes part in these forward passes: the model is sharded.
+    probe_logits = generate.last_position_logits(model, tokenizer, cfg.prompt, device)
     if accelerator.is_main_process:
         save_file({"logits": probe_logits}, f"{cfg.output_dir}/probe_logits.safetensors")
-    answer = _greedy_answer(model, tokenizer, cfg.prompt, cfg.max_new_tokens, device) if cfg.max_new_tokens else ""
+    answer = generate.greedy_answer(model, tokenizer, cfg.prompt, cfg.max_new_tokens, device)
     eval_loss = last.get("eval_loss")
     summary = {
         "engine": engine, "world_size": world, "mixed_precision": accelerator.mixed_precision,
@@ -284,7 +287,7 @@ def main(cfg: Settings) -> None:
     }
     tracker.write_summary(summary)
     accelerator.print(f"\n{cfg.prompt!r} -> {answer!r}")
-    accelerator.print(_summary_table(summary))
+    accelerator.print(tracking.summary_table(summary))
     accelerator.wait_for_everyone()
     accelerator.end_training()  # closes the trackers (flushes W&B) and the process group
 
@@ -295,56 +298,5 @@ def _to_float(value) -> float:
     return float(value) if value is not None else float("nan")
 
 
-@torch.no_grad()
-def _last_logits(model, tokenizer, prompt: str, device) -> torch.Tensor:
-    """fp32 logits of the last prompt position (the export test compares the exported model against them)."""
-    ids = tokenizer(data.render_prompt(tokenizer, [{"role": "user", "content": prompt}]), add_special_tokens=False,
-                    return_tensors="pt")["input_ids"].to(device)
-    model.eval()
-    logits = model(input_ids=ids, use_cache=False).logits[0, -1].float().cpu()
-    wrapping.reshard_after_inference(model)  # [FSDP2]
-    model.train()
-    return logits
-
-
-@torch.no_grad()
-def _greedy_answer(model, tokenizer, prompt: str, max_new_tokens: int, device) -> str:
-    """Greedy decoding with a fixed number of forward passes, so every rank of a sharded model takes part in each."""
-    text = data.render_prompt(tokenizer, [{"role": "user", "content": prompt}])
-    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"].to(device)
-    prompt_len = ids.shape[1]
-    model.eval()
-    for _ in range(max_new_tokens):
-        logits = model(input_ids=ids, use_cache=False).logits
-        ids = torch.cat([ids, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-    wrapping.reshard_after_inference(model)  # [FSDP2] free what generation left gathered
-    model.train()
-    new = ids[0, prompt_len:].tolist()
-    if tokenizer.eos_token_id in new:
-        new = new[: new.index(tokenizer.eos_token_id)]
-    return tokenizer.decode(new, skip_special_tokens=True).strip()
-
-
-def _summary_table(s: dict) -> str:
-    def fmt(v, spec):
-        return format(v, spec) if isinstance(v, (int, float)) else "n/a"
-    rows = [("engine", s["engine"]), ("world size", s["world_size"]), ("steps", s["steps"]),
-            ("final loss", fmt(s["final_loss"], ".4f")), ("eval loss", fmt(s["eval_loss"], ".4f")),
-            ("tokens/s (median, global)", fmt(s["tokens_per_s"], ",.0f")),
-            ("peak memory per rank (max)", fmt((s["peak_mem_bytes"] or 0) / 1e6, ",.1f") + " MB"),
-            ("model states per rank: measured / expected", fmt((s["model_state_bytes"] or 0) / 1e6, ".2f") + " / "
-             + fmt(s["model_state_bytes_expected"] / 1e6, ".2f") + " MB")]
-    width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
-
-
 if __name__ == "__main__":
-    settings = parse_settings(Settings, description=__doc__)
-    try:
-        main(settings)
-    except UserError as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
-    except TrainingStopped as stopped:
-        print(f"stopped: {stopped}", file=sys.stderr)
-        sys.exit(1)
+    run_recipe(main, Settings, __doc__)

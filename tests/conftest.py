@@ -95,7 +95,8 @@ def runs(session_root):
 
     def get(name: str, *recipe_args: str, **kwargs) -> Run:
         if name not in cache:
-            cache[name] = launch(session_root / name, *recipe_args, env=env, **kwargs)
+            kwargs.setdefault("env", env)
+            cache[name] = launch(session_root / name, *recipe_args, **kwargs)
         return cache[name]
 
     return get

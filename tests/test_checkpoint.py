@@ -170,7 +170,7 @@ def test_not_a_checkpoint_is_refused_before_anything_is_read(runs, tmp_path):
     (tmp_path / "model_optim").mkdir()
     run = runs("ck-refuse-path", "--max_steps", "1", "--resume", str(tmp_path), "--report_to", "none",
                num_processes=1)
-    assert run.returncode == 2 and "is not a complete zero-recipes checkpoint" in run.stderr
+    assert run.returncode != 0 and "is not a complete zero-recipes checkpoint" in run.stderr
     assert "Traceback" not in run.stderr
     cli = subprocess.run([sys.executable, "-m", "zero_utils.checkpoint", "export", str(tmp_path), str(tmp_path / "o")],
                          cwd=REPO, capture_output=True, text=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from conftest import ENGINE_CONFIGS
+from conftest import ENGINE_CONFIGS, isolated_env
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -18,11 +18,16 @@ SMOKE_ARGS = ("--max_steps", str(STEPS), "--gradient_accumulation_steps", "2", "
               "--verify_replicas", "--report_to", "none")
 
 
+SECRETS = {"WANDB_API_KEY": "wandb-secret-4f1c", "HF_TOKEN": "hf_secret_9b2e"}
+
+
 @pytest.fixture(scope="module")
-def smoke(runs):
+def smoke(runs, session_root):
     def get(config: str):
-        report = ("--report_to", "wandb") if config == "ddp" else ()
-        return runs(f"smoke-{config}", *SMOKE_ARGS, *report, config=config).check()
+        if config == "ddp":  # the W&B run, with credentials in the environment that must never be written out
+            env = {**isolated_env(session_root), **SECRETS, "WANDB_MODE": "offline"}
+            return runs(f"smoke-{config}", *SMOKE_ARGS, "--report_to", "wandb", config=config, env=env).check()
+        return runs(f"smoke-{config}", *SMOKE_ARGS, config=config).check()
     return get
 
 
@@ -79,6 +84,14 @@ def test_wandb_runs_offline_and_says_how_to_sync(smoke):
     offline_runs = list((run.output_dir / "wandb").glob("offline-run-*"))
     assert len(offline_runs) == 1 and list(offline_runs[0].glob("*.wandb"))
     assert "wandb sync" in run.output
+
+
+def test_credentials_never_reach_logs_configs_or_summaries(smoke):
+    run = smoke("ddp")
+    texts = [run.output] + [f.read_bytes().decode("utf-8", "replace") for f in run.output_dir.rglob("*")
+                            if f.is_file() and f.stat().st_size < 50_000_000]
+    for secret in SECRETS.values():
+        assert not any(secret in text for text in texts)
 
 
 def test_fsdp2_offload_on_cpu_says_it_unpins(smoke):

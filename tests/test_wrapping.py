@@ -78,11 +78,12 @@ def family_model(session_root):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_family_shards_block_by_block_and_trains_as_one_process(runs, family_model, family):
     model, block, config = family_model(family)
-    args = ("--model", model, "--max_steps", "3", "--seq_len", "64", "--per_device_batch_size", "2",
-            "--eval_fraction", "0", "--max_new_tokens", "0", "--report_to", "none", "--warmup_steps", "1")
-    sharded = runs(f"family-{family}-fsdp2", *args, config="fsdp2", mixed_precision="no").check()
-    single = runs(f"family-{family}-single", *args[:-8], "--per_device_batch_size", "4", *args[-6:],
-                  num_processes=1, mixed_precision="no").check()
+    args = ("--model", model, "--max_steps", "3", "--seq_len", "64", "--eval_fraction", "0",
+            "--max_new_tokens", "0", "--report_to", "none", "--warmup_steps", "1")
+    sharded = runs(f"family-{family}-fsdp2", *args, "--per_device_batch_size", "2", config="fsdp2",
+                   mixed_precision="no").check()
+    single = runs(f"family-{family}-single", *args, "--per_device_batch_size", "4", num_processes=1,
+                  mixed_precision="no").check()
     losses = [m["loss"] for m in sharded.metrics()]
     assert all(loss == loss and loss < 100 for loss in losses)
     assert losses == pytest.approx([m["loss"] for m in single.metrics()], rel=1e-4)

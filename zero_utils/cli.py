@@ -43,3 +43,21 @@ def parse_settings(settings_cls, argv=None, description: str | None = None):
         if bound is not None and value is not None and value < bound:
             parser.error(f"--{f.name} {value} is below its minimum {bound}; pass a value >= {bound}.")
     return settings_cls(**vars(args))
+
+
+def run_recipe(main, settings_cls, description: str | None = None) -> None:
+    """Parse the flags into `settings_cls`, run `main(settings)`, and turn the errors a user can act on into one
+    line on stderr: `UserError` -> "error: ..." and exit 2, `TrainingStopped` -> "stopped: ..." and exit 1."""
+    import sys
+
+    from zero_utils.errors import TrainingStopped, UserError
+
+    settings = parse_settings(settings_cls, description=description)
+    try:
+        main(settings)
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+    except TrainingStopped as stopped:
+        print(f"stopped: {stopped}", file=sys.stderr)
+        sys.exit(1)

@@ -95,7 +95,7 @@ _BYTES_PER_PARAM = {
     },
 }
 _TABLE_ROW = {"single": "ddp", "ddp": "ddp", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3",
-              "fsdp2": "fsdp2", "fsdp2_zero2": "fsdp2"}
+              "fsdp2": "fsdp2", "fsdp2_zero2": "fsdp2", "fsdp2_hsdp": "fsdp2"}
 
 
 def _precision(mixed_precision: str | None) -> str:
@@ -159,7 +159,8 @@ def model_state_bytes(engine: str, num_params: int, world_size: int, mixed_preci
 
     `mixed_precision`: accelerate's value ('no'/'fp32' or 'bf16'/'fp16'). `optimizer`: 'adamw' or 'sgd' (no
     momentum: no state but a master copy where the engine keeps one). `frozen_params` (LoRA's base weights): stored
-    in the compute dtype, no grads, no optimizer state, sharded where the engine shards params. `shard_group_size`
+    as the engine stores its parameters (fp32 under DDP autocast and FSDP2, 16-bit under DeepSpeed in mixed
+    precision), no grads, no optimizer state, sharded where the engine shards params. `shard_group_size`
     (HSDP: GPUs per node) divides the sharded parts instead of `world_size`. Offload defaults to what the engine
     name says (`zero3_offload`: optimizer and params; `zeroK_offload`: optimizer; `fsdp2*_offload`: all); the
     offloaded sharded parts are counted in `cpu`, not `gpu`. `formula`: 'engine' (what DeepSpeed 0.19.8 / torch
@@ -187,8 +188,7 @@ def model_state_bytes(engine: str, num_params: int, world_size: int, mixed_preci
     add("params", num_params, row["params"])
     add("grads", num_params, row["grads"])
     add("optimizer", num_params, (row["master"][0] + moments[0], row["master"][1] + moments[1]))
-    compute_bytes = 4 if precision == "fp32" else 2
-    add("params", frozen_params, (compute_bytes, 0) if row["params"][0] else (0, compute_bytes))
+    add("params", frozen_params, row["params"])
     return ModelStateBytes(gpu, cpu)
 
 
@@ -203,9 +203,10 @@ def expected_model_state_bytes(engine: str, num_params: int, world_size: int, mi
     what cannot shard evenly is added, not hidden in a tolerance (`sharding_remainder_bytes`).
     """
     ideal = model_state_bytes(engine, num_params, world_size, mixed_precision, **kwargs).total_bytes
-    if param_groups is None or world_size == 1:
+    group = kwargs.get("shard_group_size") or world_size
+    if param_groups is None or group == 1:
         return ideal
-    return ideal + sharding_remainder_bytes(engine, param_groups, world_size, mixed_precision)
+    return ideal + sharding_remainder_bytes(engine, param_groups, group, mixed_precision)
 
 
 def sharding_remainder_bytes(engine: str, param_groups: list[list[tuple[int, ...]]], world_size: int,

@@ -52,7 +52,7 @@ def load_config(name_or_path: str, trust_remote_code: bool = False):
 
 
 def load_causal_lm(name_or_path: str, *, accelerator=None, attn_implementation: str | None = None,
-                   trust_remote_code: bool = False):
+                   trust_remote_code: bool = False, quantization_config=None):
     """Build or load a `transformers` causal LM in fp32 (master weights; mixed precision casts for compute).
 
     Returns the model, on CPU. With only a config in a local folder the weights are randomly initialised from
@@ -70,9 +70,11 @@ def load_causal_lm(name_or_path: str, *, accelerator=None, attn_implementation: 
         if any(local.glob("*.bin")):
             raise UserError(f"--model {name_or_path!r} holds only pickled .bin weights; convert them to safetensors "
                             "(they are loaded only as safetensors, which cannot run code).")
-        with _zero3_init_disabled(accelerator):  # [ZeRO-3]
+        with zero3_init_disabled(accelerator):  # [ZeRO-3]
             return AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code,
                                                     **kwargs)
+    if quantization_config is not None:
+        kwargs["quantization_config"] = quantization_config
     return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32, use_safetensors=True,
                                                 trust_remote_code=trust_remote_code, **kwargs)
 
@@ -83,9 +85,30 @@ def count_parameters(model, trainable_only: bool = False) -> int:
     return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad or not trainable_only)
 
 
+def quantization_config(qlora: bool):
+    """The 4-bit (NF4) bitsandbytes config of QLoRA, or None. QLoRA needs a CUDA GPU and the bitsandbytes package:
+    anything else is a `UserError`. The 4-bit weights are stored as bf16 elements so FSDP2 and ZeRO-3 can shard
+    them. Not tested in CI (no GPU there)."""
+    if not qlora:
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UserError("--qlora needs a CUDA GPU (bitsandbytes 4-bit kernels); drop --qlora to train LoRA on this "
+                        "machine, or run on a GPU node.")
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError as exc:
+        raise UserError("--qlora needs the bitsandbytes package: pip install bitsandbytes.") from exc
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.bfloat16)
+
+
 @contextlib.contextmanager
-def _zero3_init_disabled(accelerator):
-    """Build a model whole even under a ZeRO-3 launch: transformers wraps construction in `deepspeed.zero.Init`
+def zero3_init_disabled(accelerator):
+    """Context: build a model whole even under a ZeRO-3 launch: transformers wraps construction in `deepspeed.zero.Init`
     whenever accelerate's DeepSpeed config is registered with it (accelerate 1.15's own
     `zero3_init_context_manager(enable=False)` re-registers the same config, so it does not switch it off)."""
     from transformers.integrations import deepspeed as hf_deepspeed

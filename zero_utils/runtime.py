@@ -171,7 +171,7 @@ def check_launch(accelerator) -> None:
 
 def engine_name(accelerator) -> str:
     """Name of the engine actually running, read from the Accelerator's state (not from the YAML's file name):
-    'single', 'ddp', 'zero1', 'zero2', 'zero3' (+ '_offload'), 'fsdp2', 'fsdp2_zero2' (+ '_offload')."""
+    'single', 'ddp', 'zero1', 'zero2', 'zero3' (+ '_offload'), 'fsdp2', 'fsdp2_zero2', 'fsdp2_hsdp' (+ '_offload')."""
     from accelerate import DistributedType
 
     state = accelerator.state
@@ -185,6 +185,9 @@ def engine_name(accelerator) -> str:
 
         plugin = state.fsdp_plugin
         name = "fsdp2" if plugin.reshard_after_forward else "fsdp2_zero2"
+        config = getattr(accelerator, "parallelism_config", None)
+        if config is not None and config.dp_replicate_enabled:
+            name = "fsdp2_hsdp"
         return name + ("_offload" if isinstance(plugin.cpu_offload, CPUOffloadPolicy) else "")
     if accelerator.distributed_type == DistributedType.NO:
         return "single"
@@ -304,3 +307,12 @@ def stop_requested(accelerator) -> str | None:
     if flag.item() == 0:
         return None
     return _stop_received[0] if _stop_received else "a stop signal (on another rank)"
+
+
+def shard_group_size(accelerator) -> int:
+    """Ranks that share one copy of the sharded states: the shard group under FSDP2 HSDP (dp_shard_size), else
+    every rank."""
+    config = getattr(accelerator, "parallelism_config", None)
+    if config is not None and config.dp_replicate_enabled:
+        return config.dp_shard_size
+    return accelerator.num_processes

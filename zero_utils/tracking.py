@@ -117,3 +117,18 @@ def software_versions() -> dict:
 
 def _loggable(config: dict) -> dict:
     return {k: v if isinstance(v, (int, float, str, bool)) or v is None else str(v) for k, v in config.items()}
+
+
+def summary_table(summary: dict) -> str:
+    """The end-of-run table a person reads: engine, world size, steps, losses, tokens/s, memory (MB = 1e6 bytes)."""
+    def fmt(value, spec):
+        return format(value, spec) if isinstance(value, (int, float)) else "n/a"
+    s = summary
+    rows = [("engine", s["engine"]), ("world size", s["world_size"]), ("steps", s["steps"]),
+            ("final loss", fmt(s["final_loss"], ".4f")), ("eval loss", fmt(s["eval_loss"], ".4f")),
+            ("tokens/s (median, global)", fmt(s["tokens_per_s"], ",.0f")),
+            ("peak memory per rank (max)", fmt((s["peak_mem_bytes"] or 0) / 1e6, ",.1f") + " MB"),
+            ("model states per rank: measured / expected", fmt((s["model_state_bytes"] or 0) / 1e6, ".2f") + " / "
+             + fmt(s["model_state_bytes_expected"] / 1e6, ".2f") + " MB")]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

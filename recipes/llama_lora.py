@@ -1,0 +1,333 @@
+"""LoRA fine-tuning (PEFT) of a Llama-family causal LM under DDP, DeepSpeed ZeRO-3 or FSDP2: only the adapters
+train, so gradients and optimizer state shrink to the adapters' share; the frozen base is sharded like any
+parameter under ZeRO-3/FSDP2. This file is llama_zero3.py with the lines marked [LoRA] added.
+
+    accelerate launch --config_file accelerate_configs/fsdp2.yaml recipes/llama_lora.py    # FSDP2 = ZeRO-3
+    accelerate launch --config_file accelerate_configs/zero3.yaml recipes/llama_lora.py    # DeepSpeed ZeRO-3
+    accelerate launch --config_file accelerate_configs/ddp.yaml recipes/llama_lora.py      # DDP
+    # on a CPU-only machine, add --num_processes 2 (the YAMLs default to 8 GPUs):
+    accelerate launch --config_file accelerate_configs/fsdp2.yaml --num_processes 2 recipes/llama_lora.py
+
+Features, the flag that controls each, and its cost:
+    LoRA        --lora_r, --lora_alpha, --lora_dropout, --lora_target_modules ("all-linear" = every linear layer
+                of the blocks, any model family); trainable parameters and their optimizer state are r-sized
+    QLoRA       --qlora: 4-bit base weights through bitsandbytes, CUDA GPUs only (untested here: no GPU in CI)
+    export      final/ = the PEFT adapter (adapter_config.json + adapter_model.safetensors, gathered from the
+                shards); --merge also writes final/merged/, the base with the adapters merged in
+    data, batch, optimizer, eval, checkpoint, tracking: as in llama_zero3.py
+Outputs: --output_dir/{metrics.jsonl, summary.json, checkpoints/step_<N>/, final/ (adapter), final/merged/}.
+"""
+
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from accelerate.utils import gather_object, set_seed
+from peft import LoraConfig, get_peft_model
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+
+from zero_utils import checkpoint, data, errors, generate, memory, runtime, tracking, wrapping
+from zero_utils.cli import flag, run_recipe
+from zero_utils.errors import UserError
+from zero_utils.model import (
+    BUNDLED_MODEL,
+    count_parameters,
+    load_causal_lm,
+    load_tokenizer,
+    quantization_config,
+    zero3_init_disabled,
+)
+from zero_utils.optim import build_adamw, lr_at, set_lr
+
+
+# ---------------------------------------------------------------------------------------------- settings
+@dataclass
+class Settings:
+    model: str = flag(BUNDLED_MODEL, "Hub id or local folder of a causal LM")
+    dataset: str = flag(data.BUNDLED_DATASET, "Hub id or local file/folder")
+    columns: str = flag("", "rename columns, e.g. prompt=question,completion=answer")
+    output_dir: str = flag("runs/llama_lora", "where metrics, checkpoints and final/ go")
+    lora_r: int = flag(16, "LoRA rank", min=1)  # [LoRA]
+    lora_alpha: int = flag(32, "LoRA scaling numerator (scale = alpha / r)", min=1)
+    lora_dropout: float = flag(0.05, "dropout on the LoRA input", min=0.0)
+    lora_target_modules: str = flag("all-linear", "comma-separated module names, or all-linear")
+    merge: bool = flag(False, "also write final/merged: the base model with the adapters merged in")
+    qlora: bool = flag(False, "4-bit base weights (bitsandbytes; CUDA GPUs only)")
+    max_steps: int = flag(150, "optimizer steps", min=1)
+    per_device_batch_size: int = flag(4, "rows of seq_len tokens per process per micro-step", min=1)
+    gradient_accumulation_steps: int = flag(1, "micro-steps per optimizer step", min=1)
+    seq_len: int = flag(256, "tokens per packed row", min=8)
+    lr: float = flag(3e-3, "peak learning rate", min=0.0)
+    weight_decay: float = flag(0.1, "AdamW weight decay on matrices", min=0.0)
+    warmup_steps: int = flag(10, "linear warmup steps", min=0)
+    lr_schedule: str = flag("cosine", "decay after warmup", choices=["cosine", "constant"])
+    max_grad_norm: float = flag(1.0, "clip the global gradient norm to this", min=0.0)
+    max_bad_steps: int = flag(0, "non-finite losses tolerated (their updates skipped) before the run stops", min=0)
+    seed: int = flag(42, "seed for init, data order and the eval split")
+    eval_fraction: float = flag(0.05, "fraction held out when the dataset has no validation split", min=0.0)
+    eval_every: int = flag(50, "eval every N steps (0 = only at the end)", min=0)
+    save_every: int = flag(0, "checkpoint every N steps (0 = only at the end)", min=0)
+    keep_last: int = flag(2, "checkpoints to keep", min=1)
+    collective_timeout_s: int = flag(1800, "a rank waiting this long on a dead peer fails the job", min=10)
+    resume: str = flag("", "'auto' (newest complete checkpoint in output_dir) or a checkpoint path")
+    overwrite: bool = flag(False, "allow an output_dir that already holds checkpoints")
+    report_to: str = flag("wandb", "wandb, none, or any accelerate tracker")
+    project: str = flag("zero-recipes", "tracker project name")
+    group: str = flag("", "tracker run group (W&B group), e.g. one comparison of engines")
+    attn_implementation: str = flag("", "sdpa (default), eager, flash_attention_2, ...")
+    trust_remote_code: bool = flag(False, "run the model repository's own Python code (only for repos you trust)")
+    gradient_checkpointing: bool = flag(False, "recompute each block's activations in backward (less memory)")
+    prompt: str = flag("What is the capital of France?", "answered greedily at the end")
+    max_new_tokens: int = flag(24, "tokens generated for --prompt", min=0)
+    async_save: bool = flag(False, "FSDP2/DDP: write checkpoints in the background while training goes on")
+    verify_replicas: bool = flag(False, "hash the gathered weights on every rank at the end (proves replicas agree)")
+
+
+def main(cfg: Settings) -> None:
+    # ------------------------------------------------------------------------------ accelerator, seed
+    accelerator = runtime.build_accelerator(
+        per_device_batch_size=cfg.per_device_batch_size, gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        max_grad_norm=cfg.max_grad_norm, log_with=tracking.trackers_for(cfg.report_to), project_dir=cfg.output_dir,
+        timeout_s=cfg.collective_timeout_s)
+    runtime.catch_stop_signals()  # SIGTERM/SIGINT/SIGUSR1: finish the step, save, exit
+    engine = runtime.engine_name(accelerator)
+    world, rank, device = accelerator.num_processes, accelerator.process_index, accelerator.device
+    resume_from = checkpoint.resolve_resume(cfg.output_dir, cfg.resume, cfg.overwrite)
+    set_seed(cfg.seed)
+
+    # ------------------------------------------------------------------------------ data
+    tokenizer = load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code)
+    columns = data.parse_column_map(cfg.columns)
+    train_rows, eval_rows, data_info = data.build_sft_datasets(
+        accelerator, tokenizer, cfg.dataset, cfg.seq_len, cfg.eval_fraction, cfg.seed, columns)
+    global_batch = cfg.per_device_batch_size * cfg.gradient_accumulation_steps * world
+    data.check_enough_rows(len(train_rows), global_batch)
+
+    # ------------------------------------------------------------------------------ model
+    model = load_causal_lm(cfg.model, accelerator=accelerator, attn_implementation=cfg.attn_implementation or None,
+                           trust_remote_code=cfg.trust_remote_code,
+                           quantization_config=quantization_config(cfg.qlora))  # [LoRA] QLoRA: 4-bit base
+    lora_config = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,  # [LoRA]
+                             target_modules=_target_modules(cfg.lora_target_modules), task_type="CAUSAL_LM")
+    model = get_peft_model(model, lora_config)  # [LoRA] freezes the base, adds the adapters
+    if cfg.seq_len > model.config.max_position_embeddings:
+        raise UserError(f"--seq_len {cfg.seq_len} exceeds the model's max_position_embeddings "
+                        f"({model.config.max_position_embeddings}); lower --seq_len.")
+    num_params = count_parameters(model, trainable_only=True)
+    frozen_params = count_parameters(model) - num_params  # [LoRA]
+    if cfg.gradient_checkpointing:  # before sharding, so every engine wraps the checkpointed blocks
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    resume_meta = checkpoint.read_metadata(resume_from) if resume_from else None
+    if resume_meta:  # refuse an incompatible checkpoint before any expensive work
+        for warning in checkpoint.check_compatible(resume_meta, storage=checkpoint.storage_for(engine),
+                                                   config_hash=checkpoint.model_config_hash(model.config),
+                                                   global_batch_rows=global_batch):
+            accelerator.print(f"warning: {warning}")
+        if engine.startswith("zero"):  # [DeepSpeed] another world size resumes through a universal checkpoint
+            checkpoint.prepare_deepspeed_resume(accelerator, resume_from, resume_meta)
+    if engine.startswith("fsdp2"):  # [FSDP2] shard block by block, then the root, before the optimizer sees params
+        wrapping.shard_model(model, accelerator)
+
+    # ------------------------------------------------------------------------------ optimizer, prepare
+    optimizer = build_adamw(model, cfg.lr, cfg.weight_decay)
+    expected_state_bytes = memory.expected_model_state_bytes(
+        engine, num_params, world, accelerator.mixed_precision, param_groups=memory.param_group_shapes(optimizer),
+        shard_group_size=runtime.shard_group_size(accelerator), frozen_params=frozen_params)  # [LoRA] frozen base
+    model, optimizer = accelerator.prepare(model, optimizer)
+    # Model-state bytes: measured once, right after the inner optimizer's first step (gradients still held), the
+    # same moment under every engine, even under DeepSpeed where `accelerator.backward` runs the step itself.
+    model_state = {}
+    memory.after_inner_step_once(
+        optimizer, lambda: model_state.update(memory.measure_model_state_bytes(model, optimizer)))
+
+    # ------------------------------------------------------------------------------ tracking, resume
+    run_config = {**asdict(cfg), "engine": engine, "world_size": world, "num_params": num_params,
+                  "frozen_params": frozen_params,
+                  "mixed_precision": accelerator.mixed_precision, "global_batch_rows": global_batch,
+                  **{f"version_{k}": v for k, v in tracking.software_versions().items()}}
+    start_step = checkpoint.load(accelerator, model, optimizer, resume_from)["step"] if resume_from else 0
+    tracker = tracking.RunTracker(accelerator, cfg.output_dir, cfg.report_to, cfg.project, config=run_config,
+                                  run_name=f"{engine}-{world}x", group=cfg.group or None,
+                                  resume_step=start_step if resume_from else None,
+                                  resume_run_id=(resume_meta or {}).get("tracker_run_id"))
+    tokens_per_step = global_batch * cfg.seq_len
+    accelerator.print(
+        f"engine {engine} | {world} process(es) | micro-batch {cfg.per_device_batch_size} x accumulation "
+        f"{cfg.gradient_accumulation_steps} x {world} = global batch {global_batch} rows = {tokens_per_step} tokens | "
+        f"{num_params / 1e6:.2f}M params | model states per rank (expected): {expected_state_bytes / 1e6:.1f} MB | "
+        f"mixed precision: {accelerator.mixed_precision}"
+        + (f" | resumed from {resume_from} at step {start_step}" if resume_from else ""))
+    accelerator.print(data.describe(data_info, cfg.seq_len))
+    if engine in ("single", "ddp"):
+        accelerator.print(f"no ZeRO engine named by the launch: running {engine}. For ZeRO-3 add --config_file "
+                          "accelerate_configs/fsdp2.yaml (or zero3.yaml for DeepSpeed) to accelerate launch.")
+
+    def token_loss_sum(batch):
+        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+        return F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(),
+                               ignore_index=data.IGNORE_INDEX, reduction="sum")
+
+    def evaluate():
+        model.eval()
+        totals = torch.zeros(2, device=device)
+        with torch.no_grad():
+            for batch in data.eval_micro_batches(eval_rows, rank, world, cfg.per_device_batch_size, device):
+                num_tokens = (batch["labels"] != data.IGNORE_INDEX).sum().float()
+                totals += torch.stack([token_loss_sum(batch), num_tokens])
+        wrapping.reshard_after_inference(model)  # [FSDP2] free what eval left gathered
+        model.train()
+        totals = accelerator.reduce(totals, "sum")
+        return (totals[0] / totals[1]).item()
+
+    def save_checkpoint(step):
+        meta = {"engine": engine, "storage": checkpoint.storage_for(engine), "world_size": world,
+                "global_batch_rows": global_batch, "examples_seen": step * global_batch, "seed": cfg.seed,
+                "model_config_hash": checkpoint.model_config_hash(model_config), "tracker_run_id": tracker.run_id,
+                "versions": tracking.software_versions(), "settings": asdict(cfg)}
+        return checkpoint.save(accelerator, model, optimizer, cfg.output_dir, step, meta=meta,
+                               keep_last=cfg.keep_last, hf_files=(model_config, tokenizer),
+                               use_async=cfg.async_save and not engine.startswith("zero"))
+
+    # ------------------------------------------------------------------------------ training loop
+    model_config = accelerator.unwrap_model(model).config
+    pending_save = None  # an async checkpoint still being written
+    model.train()
+    step_times, tokens_per_s, last, model_state_max, bad_steps = [], [], {}, {}, 0
+    activation_bytes = {}  # bytes autograd saved for backward in the first micro-batch (with and without recompute)
+    progress = tqdm(range(start_step + 1, cfg.max_steps + 1), initial=start_step, total=cfg.max_steps,
+                    disable=not accelerator.is_main_process, desc=f"train [{engine}]")
+    for step in progress:
+        t0 = time.perf_counter()
+        lr = lr_at(step, max_steps=cfg.max_steps, peak_lr=cfg.lr, warmup_steps=cfg.warmup_steps,
+                   schedule=cfg.lr_schedule)
+        set_lr(optimizer, lr)
+        indices = data.global_batch_indices(len(train_rows), global_batch, step, cfg.seed)
+        micro_batches = data.rank_micro_batches(train_rows, indices, rank, world, cfg.per_device_batch_size,
+                                                cfg.gradient_accumulation_steps, device)
+        # The loss is the mean over every answer token of the global batch: count them first, then scale each
+        # micro-batch's token-loss sum so that (after accelerate divides by the accumulation steps and the engine
+        # averages over ranks) the gradient is d(sum of token losses)/d(theta) / global token count.
+        local_tokens = sum((mb["labels"] != data.IGNORE_INDEX).sum() for mb in micro_batches).float()
+        global_tokens = accelerator.reduce(local_tokens, "sum")
+        loss_sum = torch.zeros((), device=device)
+        for batch in micro_batches:
+            with accelerator.accumulate(model):
+                with memory.count_saved_activations(activation_bytes):  # measures the first forward only
+                    micro_loss_sum = token_loss_sum(batch)
+                accelerator.backward(micro_loss_sum * (world * cfg.gradient_accumulation_steps / global_tokens))
+                loss_sum += micro_loss_sum.detach()
+        step_loss = (accelerator.reduce(loss_sum, "sum") / global_tokens).item()
+        if not math.isfinite(step_loss):
+            # Skip the update (DeepSpeed has already applied it inside backward) and stop past --max_bad_steps,
+            # without saving: the last good checkpoint stays the newest.
+            optimizer.zero_grad()
+            bad_steps += 1
+            if bad_steps > cfg.max_bad_steps:
+                newest = checkpoint.list_complete(cfg.output_dir)
+                raise errors.TrainingStopped(
+                    f"the loss became {step_loss} at step {step} ({bad_steps} non-finite step(s), --max_bad_steps "
+                    f"{cfg.max_bad_steps}); stopped without saving, the last good checkpoint is "
+                    f"{newest[-1][1] if newest else 'none'}. Lower --lr or check the data, then --resume auto.")
+            accelerator.print(f"warning: non-finite loss at step {step}, update skipped ({bad_steps} so far)")
+            continue
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad()
+        if not model_state_max:  # measured on this first step, constant afterwards
+            model_state_max = runtime.max_over_ranks(accelerator, model_state)
+        step_times.append(time.perf_counter() - t0)
+        tokens_per_s.append(tokens_per_step / step_times[-1])
+        last = {"step": step, "loss": step_loss, "lr": lr, "grad_norm": _to_float(grad_norm),
+                "tokens_per_s": tokens_per_s[-1],
+                "peak_mem_bytes": runtime.max_over_ranks(accelerator, {"p": memory.peak_memory_bytes(device)})["p"],
+                "model_state_bytes": model_state_max["total"], "model_state_bytes_expected": expected_state_bytes,
+                "engine_buffer_bytes": model_state_max["engine_buffers"]}
+        if eval_rows is not None and ((cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps):
+            last["eval_loss"] = evaluate()
+        tracker.log_step(last)
+        progress.set_postfix(loss=f"{step_loss:.3f}", tok_s=f"{tokens_per_s[-1]:.0f}")
+        stop_signal = runtime.stop_requested(accelerator)  # every rank agrees on the same step
+        if stop_signal or (cfg.save_every and step % cfg.save_every == 0 and step != cfg.max_steps):
+            if pending_save:
+                pending_save.finish(step)
+            pending_save = save_checkpoint(step)
+        if stop_signal:
+            if pending_save:
+                pending_save.finish(step)
+            accelerator.print(f"\n{stop_signal} received: stopped after step {step} with a complete checkpoint in "
+                              f"{cfg.output_dir}/checkpoints/step_{step}; continue with --resume auto.")
+            accelerator.end_training()
+            return
+    progress.close()
+
+    # ------------------------------------------------------------------------------ save, answer, summary
+    if pending_save:
+        pending_save.finish(cfg.max_steps)
+    final_checkpoint = resume_from
+    if start_step < cfg.max_steps:
+        save_checkpoint(cfg.max_steps)
+        final_checkpoint = checkpoint.list_complete(cfg.output_dir)[-1][1]
+    # [LoRA] the adapter (and the merged model) from the full state dict, gathered from the shards on every rank
+    state_dict = accelerator.get_state_dict(model)
+    accelerator.unwrap_model(model).save_pretrained(f"{cfg.output_dir}/final", state_dict=state_dict,
+                                                    is_main_process=accelerator.is_main_process)
+    if accelerator.is_main_process:
+        tokenizer.save_pretrained(f"{cfg.output_dir}/final")
+        if cfg.merge:  # on the main process alone: no DeepSpeed zero.Init (a collective) while building it
+            with zero3_init_disabled(accelerator):
+                merged = get_peft_model(load_causal_lm(cfg.model), lora_config)
+            merged.load_state_dict(state_dict)
+            merged.merge_and_unload().save_pretrained(f"{cfg.output_dir}/final/merged")
+            tokenizer.save_pretrained(f"{cfg.output_dir}/final/merged")
+    accelerator.wait_for_everyone()
+    # Every rank takes part in these forward passes: the model is sharded.
+    probe_logits = generate.last_position_logits(model, tokenizer, cfg.prompt, device)
+    if accelerator.is_main_process:
+        save_file({"logits": probe_logits}, f"{cfg.output_dir}/probe_logits.safetensors")
+    answer = generate.greedy_answer(model, tokenizer, cfg.prompt, cfg.max_new_tokens, device)
+    eval_loss = last.get("eval_loss")
+    summary = {
+        "engine": engine, "world_size": world, "mixed_precision": accelerator.mixed_precision,
+        "steps": cfg.max_steps, "final_loss": last.get("loss"), "eval_loss": eval_loss,
+        "perplexity": math.exp(eval_loss) if eval_loss is not None else None,
+        "tokens_per_s": statistics.median(tokens_per_s) if tokens_per_s else None,
+        "step_time_s": statistics.median(step_times) if step_times else None,
+        "peak_mem_bytes": last.get("peak_mem_bytes"), "model_state_bytes": model_state_max.get("total"),
+        "saved_activation_bytes": activation_bytes.get("saved"),
+        "model_state_bytes_expected": expected_state_bytes, "model_state_breakdown_bytes": model_state_max or None,
+        "num_params": num_params, "frozen_params": frozen_params, "global_batch_rows": global_batch,
+        "seq_len": cfg.seq_len, "data": data_info,
+        "prompt": cfg.prompt, "answer": answer, "versions": tracking.software_versions(),
+        "tracker_run_id": tracker.run_id, "group": cfg.group or None, "checkpoint": str(final_checkpoint),
+        "checkpoint_bytes": checkpoint.checkpoint_bytes(final_checkpoint),
+        # Evidence that the launch is what it claims (tests assert on these): per-rank views of the same run.
+        "first_step_rows_per_rank": gather_object([sum(data.rank_rows(
+            data.global_batch_indices(len(train_rows), global_batch, 1, cfg.seed), rank, world,
+            cfg.per_device_batch_size, cfg.gradient_accumulation_steps), [])]),
+        "sharding_per_rank": gather_object([runtime.sharding_evidence(model, optimizer)]),
+        "data_cache_files_written_per_rank": gather_object([data_info["cache_files_written"]]),
+        "weights_digest_per_rank": gather_object([runtime.weights_digest(model)]) if cfg.verify_replicas else None,
+    }
+    tracker.write_summary(summary)
+    accelerator.print(f"\n{cfg.prompt!r} -> {answer!r}")
+    accelerator.print(tracking.summary_table(summary))
+    accelerator.wait_for_everyone()
+    accelerator.end_training()  # closes the trackers (flushes W&B) and the process group
+
+
+def _to_float(value) -> float:
+    if hasattr(value, "full_tensor"):  # [FSDP2] clip_grad_norm_ may return a DTensor
+        value = value.full_tensor()
+    return float(value) if value is not None else float("nan")
+
+
+def _target_modules(spec: str):
+    return spec if spec == "all-linear" else [name.strip() for name in spec.split(",") if name.strip()]
+
+
+if __name__ == "__main__":
+    run_recipe(main, Settings, __doc__)
