@@ -98,27 +98,3 @@ def test_a_rank_killed_fails_the_job_and_resume_auto_continues(tmp_path):
                      config="fsdp2", mixed_precision="no", env=isolated_env(tmp_path)).check()
     assert [m["step"] for m in resumed.metrics()][-3:] == [step, step + 1, step + 2]
 
-
-def test_torchrun_restart_resumes_by_itself(tmp_path):
-    """With torchrun's --max_restarts and --resume auto in the command, a killed rank costs only the steps since
-    the last checkpoint: the agent restarts the workers, they resume, and the job ends successfully."""
-    out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch",
-           "--config_file", str(REPO / "accelerate_configs/fsdp2.yaml"), "--num_processes", "2",
-           "--main_process_port", str(free_port()), "--mixed_precision", "no",
-           "--max_restarts", "1", "--monitor_interval", "1", str(REPO / "recipes/llama_zero3.py"),
-           "--output_dir", str(out), *LONG_RUN, "--max_steps", "40", "--save_every", "2", "--resume", "auto"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=isolated_env(tmp_path), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    wait_for_steps(out, 5, proc)
-    os.kill(workers_of(proc)[-1], signal.SIGKILL)
-    output = proc.communicate(timeout=300)[0]
-    assert proc.returncode == 0, output[-3000:]
-    assert "resumed from" in output
-    assert [m["step"] for m in json_lines(out / "metrics.jsonl")] == list(range(1, 41))
-
-
-def json_lines(path):
-    import json
-
-    return [json.loads(line) for line in path.read_text().splitlines()]

@@ -48,7 +48,8 @@ def _tiny_configs(tokenizer) -> dict:
         "mixtral": (MixtralConfig(**decoder, num_local_experts=4, num_experts_per_tok=2), "MixtralDecoderLayer"),
         "gemma": (GemmaConfig(**decoder, head_dim=16), "GemmaDecoderLayer"),
         "phi": (PhiConfig(**{k: v for k, v in decoder.items() if k != "num_key_value_heads"}), "PhiDecoderLayer"),
-        "gpt2": (GPT2Config(**ids, n_embd=64, n_layer=2, n_head=4, n_positions=256), "GPT2Block"),
+        "gpt2": (GPT2Config(**ids, n_embd=64, n_layer=2, n_head=4, n_positions=256, resid_pdrop=0.0, embd_pdrop=0.0,
+                            attn_pdrop=0.0), "GPT2Block"),
         "gpt_neox": (GPTNeoXConfig(**{k: v for k, v in decoder.items() if k != "num_key_value_heads"}),
                      "GPTNeoXLayer"),
     }
