@@ -106,3 +106,14 @@ def test_launch_without_engine_runs_and_says_how_to_get_zero3(runs):
     summary = run.summary()
     assert summary["engine"] == "single" and summary["world_size"] == 1
     assert "For ZeRO-3 add --config_file accelerate_configs/fsdp2.yaml" in run.output
+
+
+def test_resumed_run_continues_the_same_wandb_run(smoke, runs, session_root):
+    """The W&B run id is stored in the checkpoint: the resumed run logs into the same run, one curve."""
+    original = smoke("ddp")
+    env = {**isolated_env(session_root), "WANDB_MODE": "offline"}
+    resumed = runs("smoke-ddp-resumed", *SMOKE_ARGS, "--report_to", "wandb", "--resume",
+                   str(original.output_dir / "checkpoints/step_2"), config="ddp", env=env).check()
+    run_id = original.summary()["tracker_run_id"]
+    assert run_id and resumed.summary()["tracker_run_id"] == run_id
+    assert list((resumed.output_dir / "wandb").glob(f"offline-run-*-{run_id}"))
