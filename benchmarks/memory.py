@@ -58,8 +58,9 @@ def measure(engine: str, world: int, model: str, output_dir: Path, mixed_precisi
 
 def write_table(rows: list[dict], path: Path, mixed_precision: str) -> None:
     ddp = {r["world_size"]: r["measured_bytes"] for r in rows if r["engine"] == "ddp"}
+    precision = "fp32" if mixed_precision == "no" else mixed_precision
     lines = [f"Model-state bytes per rank (max over ranks), {rows[0]['num_params']:,} parameters, "
-             f"mixed precision: {mixed_precision}. MB = 1e6 bytes.", "",
+             f"{precision}. MB = 1e6 bytes.", "",
              "| engine | ranks | measured MB | expected MB | measured / expected | bytes/param | vs DDP |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -89,8 +90,9 @@ def write_chart(rows: list[dict], path: Path, mixed_precision: str) -> None:
     ax.set_xticks(worlds, labels=[str(w) for w in worlds])
     ax.set_xlabel("ranks (processes)")
     ax.set_ylabel("model-state bytes per rank (MB = 1e6 bytes)")
-    ax.set_title(f"Model states per rank: measured (points) vs formula (lines), {mixed_precision}, "
-                 f"{rows[0]['num_params'] / 1e6:.1f}M params")
+    precision = "fp32" if mixed_precision == "no" else mixed_precision
+    ax.set_title(f"Model states per rank: measured (points) vs formula (lines)\n{precision}, "
+                 f"{rows[0]['num_params'] / 1e6:.1f}M params (zero1 = zero2, fsdp2 = fsdp2_zero2: points overlap)")
     ax.grid(alpha=0.3)
     ax.legend(title="engine")
     fig.tight_layout()
