@@ -245,8 +245,7 @@ def main(cfg: Settings) -> None:
                 pending_save.finish(step)
             accelerator.print(f"\n{stop_signal} received: stopped after step {step} with a complete checkpoint in "
                               f"{cfg.output_dir}/checkpoints/step_{step}; continue with --resume auto.")
-            accelerator.end_training()
-            return
+            runtime.finish(accelerator)
     progress.close()
 
     # ------------------------------------------------------------------------------ save, answer, summary
@@ -288,8 +287,7 @@ def main(cfg: Settings) -> None:
     tracker.write_summary(summary)
     accelerator.print(f"\n{cfg.prompt!r} -> {answer!r}")
     accelerator.print(tracking.summary_table(summary))
-    accelerator.wait_for_everyone()
-    accelerator.end_training()  # closes the trackers (flushes W&B) and the process group
+    runtime.finish(accelerator)  # closes the trackers (flushes W&B) and the process group, then exits
 
 
 def _to_float(value) -> float:

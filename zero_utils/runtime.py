@@ -316,3 +316,19 @@ def shard_group_size(accelerator) -> int:
     if config is not None and config.dp_replicate_enabled:
         return config.dp_shard_size
     return accelerator.num_processes
+
+
+def finish(accelerator) -> None:
+    """End the run on every rank: close the trackers (W&B flushes) and the process group, then exit at once.
+
+    Exiting without Python's interpreter finalization is deliberate: with gloo, a rank whose peers have already
+    torn down their connections can abort during finalization ("terminate called without an active exception";
+    pytorch/pytorch#179291), turning a finished run into a failed job. Everything is written and closed here.
+    """
+    import sys
+
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
