@@ -326,21 +326,6 @@ def checkpoint_bytes(path: Path) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- export
-def export_final(accelerator, model, tokenizer, out_dir: str) -> None:
-    """Write a Hugging Face model folder (config, safetensors, tokenizer) from the live, sharded model.
-
-    Every rank must call: the full state dict is gathered from the shards onto the main process's CPU (FSDP2 via
-    DCP's full state dict, DeepSpeed ZeRO-3 via its 16-bit gather, `zero3_save_16bit_model: true`).
-    """
-    state_dict = accelerator.get_state_dict(model)
-    unwrapped = accelerator.unwrap_model(model)
-    unwrapped.save_pretrained(out_dir, state_dict=state_dict, is_main_process=accelerator.is_main_process,
-                              save_function=accelerator.save)
-    if accelerator.is_main_process:
-        tokenizer.save_pretrained(out_dir)
-    accelerator.wait_for_everyone()
-
-
 def export(checkpoint: str | Path, out_dir: str | Path, dtype: str = "fp32", max_shard_bytes: int = 5 * 10**9) -> Path:
     """Turn a complete checkpoint of any engine into a Hugging Face folder, on CPU, with no process group.
 
@@ -360,11 +345,12 @@ def export(checkpoint: str | Path, out_dir: str | Path, dtype: str = "fp32", max
     if getattr(config, "tie_word_embeddings", False):
         keys = [k for k in keys if k != "lm_head.weight"]
     out_dir.mkdir(parents=True, exist_ok=True)
+    element_bytes = torch.tensor([], dtype=torch_dtype).element_size()
+    sizes = {key: read.numel(key) * element_bytes for key in keys}
     shards, current, current_bytes = [], [], 0
-    sizes = {}
     for key in keys:
         current.append(key)
-        current_bytes += _key_bytes(read, key, sizes, torch_dtype)
+        current_bytes += sizes[key]
         if current_bytes >= max_shard_bytes:
             shards.append(current)
             current, current_bytes = [], 0
@@ -389,11 +375,6 @@ def export(checkpoint: str | Path, out_dir: str | Path, dtype: str = "fp32", max
     return out_dir
 
 
-def _key_bytes(read, key, sizes, dtype) -> int:
-    sizes[key] = read.numel(key) * torch.tensor([], dtype=dtype).element_size()
-    return sizes[key]
-
-
 class _Reader:
     def __init__(self, load, numels):
         self._load, self._numels = load, numels
@@ -410,14 +391,10 @@ def _dcp_reader(checkpoint: Path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    reader = dcp.FileSystemReader(str(checkpoint / DCP_DIR))
-    metadata = reader.read_metadata()
-    numels = {}
-    for fqn, item in metadata.state_dict_metadata.items():
-        if fqn.startswith("model.") and isinstance(item, TensorStorageMetadata):
-            numels[fqn[len("model."):]] = item.size.numel()
+    metadata = dcp.FileSystemReader(str(checkpoint / DCP_DIR)).read_metadata()
     shapes = {fqn[len("model."):]: item for fqn, item in metadata.state_dict_metadata.items()
               if fqn.startswith("model.") and isinstance(item, TensorStorageMetadata)}
+    numels = {key: item.size.numel() for key, item in shapes.items()}
 
     def load(keys):
         state = {"model": {k: torch.empty(shapes[k].size, dtype=shapes[k].properties.dtype) for k in keys}}
