@@ -19,6 +19,8 @@ Features, the flag that controls each, and its cost:
     optimizer   AdamW (--lr, --weight_decay), warmup (--warmup_steps) then --lr_schedule, --max_grad_norm
     eval        --eval_fraction held out (or the dataset's validation split), every --eval_every steps
     checkpoint  --save_every steps, --keep_last, --resume auto|PATH, --overwrite (one save: model + optimizer)
+    FSDP2       block-by-block wrapping; --fsdp_reshard_last_block, --fsdp_embedding_group, --fsdp_prefetch_blocks
+                (torchtitan's choices by default); pretrained weights are read by rank 0 only and broadcast
     tracking    metrics.jsonl + summary.json in --output_dir; --report_to wandb (offline without a key) | none
 Outputs: --output_dir/{metrics.jsonl, summary.json, checkpoints/step_<N>/, final/ (a Hugging Face model folder)}.
 """
@@ -72,6 +74,12 @@ class Settings:
     attn_implementation: str = flag("", "sdpa (default), eager, flash_attention_2, ...")
     trust_remote_code: bool = flag(False, "run the model repository's own Python code (only for repos you trust)")
     gradient_checkpointing: bool = flag(False, "recompute each block's activations in backward (less memory)")
+    fsdp_reshard_last_block: bool = flag(False, "FSDP2: reshard the last block after forward too (less memory, "
+                                         "one more all-gather)")
+    fsdp_embedding_group: bool = flag(True, "FSDP2: the input embedding is its own unit (else the root's, "
+                                      "gathered all step)")
+    fsdp_prefetch_blocks: int = flag(1, "FSDP2: all-gathers of the next K blocks started early (1 = implicit)",
+                                     min=1)
     prompt: str = flag("What is the capital of France?", "answered greedily at the end")
     max_new_tokens: int = flag(24, "tokens generated for --prompt", min=0)
     async_save: bool = flag(False, "FSDP2/DDP: write checkpoints in the background while training goes on")
@@ -116,7 +124,11 @@ def main(cfg: Settings) -> None:
         if engine.startswith("zero"):  # [DeepSpeed] another world size resumes through a universal checkpoint
             checkpoint.prepare_deepspeed_resume(accelerator, resume_from, resume_meta)
     if engine.startswith("fsdp2"):  # [FSDP2] shard block by block, then the root, before the optimizer sees params
-        wrapping.shard_model(model, accelerator)
+        wrapping.shard_model(model, accelerator, reshard_last_block=cfg.fsdp_reshard_last_block,
+                             embedding_group=cfg.fsdp_embedding_group, prefetch_blocks=cfg.fsdp_prefetch_blocks)
+    elif any(getattr(cfg, f) != getattr(Settings, f) for f in ("fsdp_reshard_last_block", "fsdp_embedding_group",
+                                                               "fsdp_prefetch_blocks")):
+        accelerator.print(f"warning: the --fsdp_* wrapping flags have no effect under {engine}.")
 
     # ------------------------------------------------------------------------------ optimizer, prepare
     optimizer = build_adamw(model, cfg.lr, cfg.weight_decay)

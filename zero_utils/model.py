@@ -59,6 +59,13 @@ def load_causal_lm(name_or_path: str, *, accelerator=None, attn_implementation: 
     the current torch seed, whole on every rank, so every engine starts from the same weights (under DeepSpeed
     ZeRO-3, `zero.Init` would draw them partition by partition in another order: it is switched off for random
     init and stays on for pretrained weights). Engines: all.
+
+    Pretrained weights never need a whole copy on every rank:
+    - FSDP2 with `fsdp_cpu_ram_efficient_loading: true` in the YAML: rank 0 reads the weights; every other rank
+      returns the model with its parameters on the meta device, and `wrapping.shard_model` broadcasts rank 0's
+      weights shard by shard.
+    - DeepSpeed ZeRO-3 with `zero3_init_flag: true`: transformers builds the model partitioned under
+      `deepspeed.zero.Init`, rank 0 reads the weights and each parameter is scattered as it is loaded.
     """
     import torch
     from transformers import AutoModelForCausalLM
@@ -75,8 +82,26 @@ def load_causal_lm(name_or_path: str, *, accelerator=None, attn_implementation: 
                                                     **kwargs)
     if quantization_config is not None:
         kwargs["quantization_config"] = quantization_config
+    if loads_on_rank0_only(accelerator) and not accelerator.is_main_process:  # [FSDP2]
+        from accelerate import init_empty_weights
+
+        # Parameters on the meta device (no memory), buffers real: zero_utils.wrapping.shard_model materialises
+        # this rank's shards and fills them from rank 0's weights.
+        with init_empty_weights(), zero3_init_disabled(accelerator):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                     trust_remote_code=trust_remote_code, **kwargs)
+        model.tie_weights()  # the tie must hold before sharding: FSDP2 keeps a shared weight in one group
+        return model
     return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32, use_safetensors=True,
                                                 trust_remote_code=trust_remote_code, **kwargs)
+
+
+def loads_on_rank0_only(accelerator) -> bool:
+    """True when pretrained weights are read by rank 0 alone and broadcast at sharding time: an FSDP2 launch of
+    more than one process whose YAML sets `fsdp_cpu_ram_efficient_loading: true`. Engines: FSDP2."""
+    plugin = getattr(getattr(accelerator, "state", None), "fsdp_plugin", None)
+    return (plugin is not None and accelerator.num_processes > 1 and bool(getattr(plugin, "cpu_ram_efficient_loading",
+                                                                                  False)))
 
 
 def count_parameters(model, trainable_only: bool = False) -> int:

@@ -7,6 +7,10 @@ that follows torchtitan's `apply_fsdp`:
        backward needs it at once;
     3. the final norm and the output head (plus a tied embedding) as one group, not resharded after forward;
     4. the root, which picks up whatever is left.
+The three choices that differ between codebases are `shard_model` arguments with torchtitan's choice as default
+(`reshard_last_block`, `embedding_group`, `prefetch_blocks`); their memory effect is measured by
+tests/scripts/unsharded_after_forward.py. A tied embedding/output weight is always kept in one group: FSDP2
+cannot shard one parameter in two groups.
 Accelerate's FSDP2 `prepare` leaves a model that is already an `FSDPModule` untouched, so calling
 `shard_model` before `accelerator.prepare` makes these choices the ones that run. Engines: FSDP2 only.
 """
@@ -49,17 +53,32 @@ def find_block_classes(model: nn.Module, override: str | None = None) -> set[typ
     return blocks
 
 
-def shard_model(model: nn.Module, accelerator, block_override: str | None = None) -> nn.Module:
+def shard_model(model: nn.Module, accelerator, block_override: str | None = None, *,
+                reshard_last_block: bool = False, embedding_group: bool = True, prefetch_blocks: int = 1) -> nn.Module:
     """Apply FSDP2 `fully_shard` block by block, then to the root, with the accelerate YAML's settings.
 
     Reads from `accelerator.state.fsdp_plugin`: reshard_after_forward (True = ZeRO-3, False = ZeRO-2 behaviour),
     the mixed-precision param dtype (gradients are reduced in fp32, torchtitan's default) and the CPU offload
     policy. Parameters become DTensors sharded on dim 0 over all ranks (each rank holds ~1/world of each), or, with
     HSDP (parallelism_config dp_replicate_size > 1), over the ranks of one shard group and replicated across groups.
+
+    Wrapping choices (defaults: torchtitan's), all only under reshard_after_forward=True:
+        reshard_last_block  also reshard the last block after forward (it is gathered again at once for backward:
+                            one block's parameters less held between forward and backward, one all-gather more)
+        embedding_group     an untied input embedding is its own unit, resharded after forward; False leaves it
+                            to the root group, gathered for the whole step
+        prefetch_blocks     1: FSDP2's implicit prefetching; k > 1: each block's forward and backward explicitly
+                            start the all-gathers of the next k blocks (overlap on a GPU, up to k more blocks
+                            gathered at once)
+    A model whose parameters are on the meta device on some ranks (`model.load_causal_lm` under
+    `fsdp_cpu_ram_efficient_loading`) is materialised here and filled from rank 0's weights, one tensor at a time.
     Returns the same module (now an `FSDPModule`). Engines: FSDP2.
     """
+    if prefetch_blocks < 1:
+        raise UserError(f"prefetch_blocks is {prefetch_blocks}; it must be at least 1 (1 = FSDP2's implicit "
+                        "prefetching).")
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     plugin = accelerator.state.fsdp_plugin
     override = block_override or _plugin_layer_override(plugin)
@@ -75,6 +94,10 @@ def shard_model(model: nn.Module, accelerator, block_override: str | None = None
     common = {"mesh": mesh, "mp_policy": mp_policy, "offload_policy": plugin.cpu_offload}
     reshard = bool(plugin.reshard_after_forward)
 
+    # Rank 0 keeps references to its full weights, taken before sharding replaces them.
+    from_rank0 = _loads_from_rank0(model, accelerator)
+    full_state = model.state_dict() if from_rank0 and accelerator.is_main_process else None
+
     if param_dtype is not None:
         # FSDP2 groups need one dtype per group; keep fp32 master weights and let the policy cast for compute.
         for p in model.parameters():
@@ -84,16 +107,56 @@ def shard_model(model: nn.Module, accelerator, block_override: str | None = None
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     tied = embed is not None and head is not None and embed.weight is head.weight
-    if embed is not None and not tied:
+    if embed is not None and not tied and embedding_group:
         fully_shard(embed, reshard_after_forward=reshard, **common)
     blocks = [m for m in model.modules() if isinstance(m, block_classes)]
     for i, block in enumerate(blocks):
-        fully_shard(block, reshard_after_forward=reshard and i < len(blocks) - 1, **common)
+        fully_shard(block, reshard_after_forward=reshard and (reshard_last_block or i < len(blocks) - 1), **common)
     tail = [m for m in (_final_norm(model, blocks), head, embed if tied else None) if m is not None]
     if tail:
         fully_shard(tail, reshard_after_forward=False, **common)
     fully_shard(model, reshard_after_forward=False, **common)
+    if prefetch_blocks > 1:
+        # torch FSDP2 docs (`set_modules_to_forward_prefetch`): explicit prefetching replaces the implicit one.
+        for i, block in enumerate(blocks):
+            block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + prefetch_blocks])
+            block.set_modules_to_backward_prefetch(blocks[max(0, i - prefetch_blocks):i][::-1])
+    if from_rank0:
+        _fill_from_rank0(model, full_state, offloaded=isinstance(plugin.cpu_offload, CPUOffloadPolicy),
+                         device=accelerator.device)
     return model
+
+
+def _loads_from_rank0(model: nn.Module, accelerator) -> bool:
+    """True when some rank holds its parameters on the meta device (rank-0 loading): every rank must agree, since
+    the broadcast that follows is collective."""
+    import torch.distributed as dist
+
+    on_meta = any(p.is_meta for p in model.parameters())
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return False
+    flag = torch.tensor([int(on_meta)], device=accelerator.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if on_meta and accelerator.is_main_process:
+        raise UserError("rank 0 has no weights to broadcast (its parameters are on the meta device); load the "
+                        "model with zero_utils.model.load_causal_lm, which reads it on rank 0.")
+    return bool(flag.item())
+
+
+def _fill_from_rank0(model: nn.Module, full_state: dict | None, offloaded: bool, device: torch.device) -> None:
+    """Allocate this rank's shards (they are on meta off rank 0) and broadcast rank 0's weights into them, one
+    tensor at a time (`set_model_state_dict(broadcast_from_rank0=True)`): no rank but 0 ever holds the model."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    # `to_empty` replaces buffers too; they are real on every rank (init_empty_weights keeps them) and the
+    # non-persistent ones (rotary frequencies) are in no state dict, so keep them across it.
+    buffers = {name: buf.detach().clone() for name, buf in model.named_buffers()}
+    model.to_empty(device="cpu" if offloaded else device)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            buf.copy_(buffers[name])
+    set_model_state_dict(model, full_state or {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 
 
 def _fsdp_mesh(accelerator, init_device_mesh):

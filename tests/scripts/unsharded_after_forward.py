@@ -1,11 +1,13 @@
-"""Probe for tests/test_zero_math.py: bytes of parameters FSDP2 holds unsharded between forward and backward.
+"""Probe for tests/test_zero_math.py and test_wrapping.py: what FSDP2 holds unsharded, for each wrapping choice.
 
     accelerate launch --config_file accelerate_configs/fsdp2.yaml --num_processes 2 \
-        tests/scripts/unsharded_after_forward.py --output_dir D
+        tests/scripts/unsharded_after_forward.py --output_dir D [--reshard_last_block] [--no_embedding_group] \
+        [--prefetch_blocks K]
 
-Writes D/report.json (rank 0): unsharded_bytes (parameters still gathered after the forward), full_param_bytes
-(the whole model) and never_resharded_bytes (the last block, the final norm and the output head: the groups
-zero_utils.wrapping builds with reshard_after_forward=False).
+Writes D/report.json (rank 0): unsharded_bytes (parameters still gathered between forward and backward),
+full_param_bytes (the whole model), the bytes of the groups that matter (last block, final norm + output head,
+input embedding), and the most decoder blocks held gathered at once at the start of a block's forward
+(prefetching gathers the next blocks early).
 """
 
 import argparse
@@ -21,6 +23,9 @@ from zero_utils.model import BUNDLED_MODEL, load_causal_lm
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--output_dir", required=True)
+parser.add_argument("--reshard_last_block", action="store_true")
+parser.add_argument("--no_embedding_group", action="store_true")
+parser.add_argument("--prefetch_blocks", type=int, default=1)
 args = parser.parse_args()
 
 accelerator = runtime.build_accelerator(per_device_batch_size=1, gradient_accumulation_steps=1, max_grad_norm=1.0)
@@ -28,10 +33,34 @@ torch.manual_seed(0)
 model = load_causal_lm(BUNDLED_MODEL, accelerator=accelerator)
 sizes = {name: p.numel() * p.element_size() for name, p in model.named_parameters()}
 last_block = f"model.layers.{model.config.num_hidden_layers - 1}."
-never_resharded = sum(b for n, b in sizes.items() if n.startswith((last_block, "model.norm.", "lm_head.")))
-wrapping.shard_model(model, accelerator)
+group_bytes = {
+    "last_block_bytes": sum(b for n, b in sizes.items() if n.startswith(last_block)),
+    "norm_and_head_bytes": sum(b for n, b in sizes.items() if n.startswith(("model.norm.", "lm_head."))),
+    "embedding_bytes": sum(b for n, b in sizes.items() if n.startswith("model.embed_tokens.")),
+}
+wrapping.shard_model(model, accelerator, reshard_last_block=args.reshard_last_block,
+                     embedding_group=not args.no_embedding_group, prefetch_blocks=args.prefetch_blocks)
 optimizer = torch.optim.AdamW(model.parameters())
 model, optimizer = accelerator.prepare(model, optimizer)
+
+# FSDP2 registers its pre-forward hook first (prepend), so by the time this one runs the block and whatever it
+# prefetches are gathered.
+blocks = list(accelerator.unwrap_model(model).model.layers)
+gathered_per_block_forward = []
+
+
+def is_gathered(block) -> bool:
+    """Registered unsharded, or its all-gather issued and not yet waited for (a prefetch: FSDP2 internals)."""
+    group = block._get_fsdp_state()._fsdp_param_group
+    return not isinstance(block.mlp.down_proj.weight, DTensor) or group._all_gather_result is not None
+
+
+def count_gathered_blocks(module, inputs):
+    gathered_per_block_forward.append(sum(is_gathered(b) for b in blocks))
+
+
+for block in blocks:
+    block.register_forward_pre_hook(count_gathered_blocks)
 
 logits = model(input_ids=torch.randint(0, 100, (1, 16)), use_cache=False).logits
 # Between forward and backward: what is registered unsharded (a plain tensor, not a DTensor shard) is gathered.
@@ -41,8 +70,9 @@ optimizer.step()
 optimizer.zero_grad()
 if accelerator.is_main_process:
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
-    report = {"unsharded_bytes": unsharded, "full_param_bytes": sum(sizes.values()),
-              "never_resharded_bytes": never_resharded, "engine": runtime.engine_name(accelerator)}
+    report = {"unsharded_bytes": unsharded, "full_param_bytes": sum(sizes.values()), **group_bytes,
+              "max_blocks_gathered_in_forward": max(gathered_per_block_forward),
+              "engine": runtime.engine_name(accelerator)}
     (Path(args.output_dir) / "report.json").write_text(json.dumps(report))
 accelerator.wait_for_everyone()
 accelerator.end_training()
