@@ -13,10 +13,13 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 @pytest.mark.parametrize("engine", ["ddp", "zero1", "zero2", "zero3", "fsdp2"])
 def test_gradient_checkpointing_keeps_the_loss_and_saves_activations(runs, run_layout, small_model, engine):
     """--gradient_checkpointing recomputes each block in backward: the same losses (fp32, bitwise up to
-    summation order) and far fewer bytes saved for backward (measured with autograd's saved-tensor hooks)."""
+    summation order) and far fewer bytes saved for backward (measured with autograd's saved-tensor hooks). Under
+    FSDP2 it is switched on by the YAML's fsdp_activation_checkpointing instead (given on the launch line)."""
     plain = run_layout(engine, 2, 4, 1)
+    switch = {"launch_args": ("--fsdp_activation_checkpointing", "true")} if engine == "fsdp2" else {}
+    flag = () if switch else ("--gradient_checkpointing",)
     checkpointed = runs(f"gc-{engine}", *EIGHT_STEPS, "--model", small_model, "--per_device_batch_size", "4",
-                        "--gradient_checkpointing", config=engine, mixed_precision="no").check()
+                        *flag, config=engine, mixed_precision="no", **switch).check()
     assert [m["loss"] for m in checkpointed.metrics()] == pytest.approx([m["loss"] for m in plain.metrics()],
                                                                         rel=1e-6)
     saved, saved_plain = checkpointed.summary()["saved_activation_bytes"], plain.summary()["saved_activation_bytes"]

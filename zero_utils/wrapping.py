@@ -58,9 +58,10 @@ def shard_model(model: nn.Module, accelerator, block_override: str | None = None
     """Apply FSDP2 `fully_shard` block by block, then to the root, with the accelerate YAML's settings.
 
     Reads from `accelerator.state.fsdp_plugin`: reshard_after_forward (True = ZeRO-3, False = ZeRO-2 behaviour),
-    the mixed-precision param dtype (gradients are reduced in fp32, torchtitan's default) and the CPU offload
-    policy. Parameters become DTensors sharded on dim 0 over all ranks (each rank holds ~1/world of each), or, with
-    HSDP (parallelism_config dp_replicate_size > 1), over the ranks of one shard group and replicated across groups.
+    the mixed-precision param dtype (gradients are reduced in fp32, torchtitan's default), the CPU offload policy
+    and activation checkpointing (each block recomputed in backward). Parameters become DTensors sharded on dim 0
+    over all ranks (each rank holds ~1/world of each), or, with HSDP (parallelism_config dp_replicate_size > 1),
+    over the ranks of one shard group and replicated across groups.
 
     Wrapping choices (defaults: torchtitan's), all only under reshard_after_forward=True:
         reshard_last_block  also reshard the last block after forward (it is gathered again at once for backward:
@@ -93,6 +94,14 @@ def shard_model(model: nn.Module, accelerator, block_override: str | None = None
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     common = {"mesh": mesh, "mp_policy": mp_policy, "offload_policy": plugin.cpu_offload}
     reshard = bool(plugin.reshard_after_forward)
+
+    if plugin.activation_checkpointing:
+        # The YAML's fsdp_activation_checkpointing, applied as the recipes' --gradient_checkpointing does
+        # (transformers' per-block recompute, parameter names unchanged). Accelerate's `prepare` would wrap the
+        # blocks again with checkpoint_wrapper (renaming every parameter) and fails to find them once sharded, so
+        # it is told the job is done.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        plugin.activation_checkpointing = False
 
     # Rank 0 keeps references to its full weights, taken before sharding replaces them.
     from_rank0 = _loads_from_rank0(model, accelerator)
