@@ -1,0 +1,100 @@
+"""recipes/llama_zero3.py, unchanged, with two benchmark-only switches (environment variables, so the recipe's own
+flags pass through untouched). benchmarks/run.py launches it in place of the recipe:
+
+    BENCH_COMMS_STEP=S BENCH_COMMS_FILE=f.json accelerate launch --config_file accelerate_configs/zero3.yaml \
+        --num_processes 2 benchmarks/recipe_probe.py --max_steps 4 ...
+    BENCH_ACCELERATE_FSDP2_PREP=1 accelerate launch --config_file accelerate_configs/fsdp2.yaml \
+        --num_processes 2 benchmarks/recipe_probe.py ...
+
+BENCH_COMMS_STEP=S  counts every c10d collective of optimizer step S with torch.profiler: with record_shapes=True
+                    each ProcessGroup call (gloo too, DDP's C++ reducer included) leaves a `record_param_comms`
+                    event with its collective name, message sizes in elements and dtype. Every rank writes its own
+                    list to BENCH_COMMS_FILE.rank<R>. The step runs from the recipe's call to
+                    `data.global_batch_indices(step=S)` to its call for step S+1, so it includes the recipe's small
+                    scalar all-reduces (token count, loss, grad norm, metrics maxima).
+BENCH_ACCELERATE_FSDP2_PREP=1  skips zero_utils.wrapping.shard_model: accelerate's `prepare` then applies
+                    `fully_shard` itself (TRANSFORMER_BASED_WRAP on the decoder-block class, then the root, all
+                    with the YAML's reshard_after_forward), which is what users get without our wrapping choices.
+"""
+
+import importlib.util
+import json
+import math
+import os
+from pathlib import Path
+
+import zero_utils.data
+import zero_utils.wrapping
+from zero_utils.cli import run_recipe
+
+RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "llama_zero3.py"
+
+
+def count_comms_of_step(step_to_count: int, path: str) -> None:
+    """Wrap data.global_batch_indices (called once at the start of every step) to profile one whole step."""
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    original = zero_utils.data.global_batch_indices
+    state = {}
+
+    def global_batch_indices(num_rows, global_batch_size, step, seed):
+        if step == step_to_count and "prof" not in state:
+            state["prof"] = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
+            state["prof"].__enter__()
+        elif step == step_to_count + 1 and "prof" in state and "done" not in state:
+            state["done"] = True
+            state["prof"].__exit__(None, None, None)
+            write(state["prof"])
+        return original(num_rows, global_batch_size, step, seed)
+
+    def write(prof):
+        # Gloo has no reduce-scatter of its own: c10d runs `_reduce_scatter_base_` as an all-reduce of the whole
+        # input, so the backend events (`gloo:all_reduce`) include it. Count each collective as the engine asked
+        # for it: reduce-scatters and all-gathers from the dispatcher ops (c10d::..., input shapes [out, in]);
+        # all-reduces and broadcasts, whose dispatcher ops take tensor lists without recorded shapes, from the
+        # backend events, less the reduce-scatter inputs.
+        nelems = {"all_reduce": 0, "all_gather": 0, "reduce_scatter": 0, "reduce": 0, "broadcast": 0}
+        calls, dtypes, world = {}, set(), dist.get_world_size()
+        for event in prof.events():
+            if not event.name.startswith(("c10d::", "gloo:")):
+                continue
+            calls[event.name] = calls.get(event.name, 0) + 1
+            sizes = [math.prod(shape) for shape in event.input_shapes if shape]
+            if event.name.startswith("gloo:"):
+                dtypes |= {d for d in (event.input_dtypes or []) if d}
+            if event.name == "gloo:all_reduce":
+                nelems["all_reduce"] += sum(sizes)
+            elif event.name in ("gloo:broadcast", "gloo:reduce"):
+                nelems[event.name.removeprefix("gloo:")] += sum(sizes)
+            elif event.name == "gloo:all_gather":  # input = this rank's shard; the gathered tensor is world x it
+                nelems["all_gather"] += sum(sizes) * world
+            elif event.name == "c10d::_reduce_scatter_base_":  # shapes [output shard, full input]
+                nelems["reduce_scatter"] += sizes[1]
+                nelems["all_reduce"] -= sizes[1]
+        Path(f"{path}.rank{dist.get_rank()}").write_text(json.dumps(
+            {"nelems": nelems, "calls": calls, "dtypes": sorted(dtypes), "world_size": world}))
+
+    zero_utils.data.global_batch_indices = global_batch_indices
+
+
+def accelerate_fsdp2_prep() -> None:
+    """Leave FSDP2 wrapping to accelerate's prepare, pointed at the same decoder-block class."""
+
+    def shard_model(model, accelerator, *_args, **_kwargs):  # whatever our wrapping's options, none applies
+        plugin = accelerator.state.fsdp_plugin
+        plugin.transformer_cls_names_to_wrap = sorted(c.__name__ for c in zero_utils.wrapping.find_block_classes(model))
+        return model
+
+    zero_utils.wrapping.shard_model = shard_model
+
+
+if __name__ == "__main__":
+    if os.environ.get("BENCH_COMMS_STEP"):
+        count_comms_of_step(int(os.environ["BENCH_COMMS_STEP"]), os.environ["BENCH_COMMS_FILE"])
+    if os.environ.get("BENCH_ACCELERATE_FSDP2_PREP") == "1":
+        accelerate_fsdp2_prep()
+    spec = importlib.util.spec_from_file_location("llama_zero3", RECIPE)
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    run_recipe(recipe.main, recipe.Settings, recipe.__doc__)

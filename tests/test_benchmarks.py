@@ -1,0 +1,75 @@
+"""The benchmarks run and every row they report is sane (never timed: performance claims live in docs/BENCHMARKS.md).
+
+`benchmarks/run.py --smoke` launches every engine once at 2 processes (~11 launches, about 3 minutes here);
+`benchmarks/gpu.py --smoke` checks the GPU script's logic on the CPU with a tiny model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, isolated_env
+
+ENGINES = ["ddp", "zero1", "zero2", "zero3", "fsdp2", "fsdp2_zero2", "fsdp2_accelerate_prep"]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("bench")
+    proc = subprocess.run([sys.executable, "benchmarks/run.py", "--smoke", "--output_dir", str(out)], cwd=REPO,
+                          env=isolated_env(out), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert "## Model-state bytes per rank" in proc.stdout  # the table is printed at the end
+    assert (out / "results.md").exists()
+    return json.loads((out / "results.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_memory_rows(results):
+    rows = {(r["engine"], r["world_size"]): r for r in results["memory"]}
+    assert {e for e, _ in rows} == set(ENGINES)
+    for engine in ("fsdp2", "fsdp2_zero2", "fsdp2_accelerate_prep"):  # no redundant copy anywhere
+        assert abs(rows[(engine, 2)]["measured_over_limit"] - 1) < 0.02
+    assert abs(rows[("ddp", 2)]["measured_over_limit"] - 2) < 0.02  # 16 Psi, the limit at N=2 is 8 Psi
+    assert rows[("zero3", 2)]["measured_over_limit"] > 1.02  # DeepSpeed's excess over the limit is reported
+    for r in rows.values():
+        assert abs(r["measured_over_expected"] - 1) < 0.01, r  # the engine formulas hold
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_comm_rows(results):
+    rows = {r["engine"]: r for r in results["comms"]}
+    assert set(rows) == set(ENGINES)
+    assert abs(rows["ddp"]["measured_over_theory"] - 1) < 0.01  # one all-reduce of every gradient
+    assert rows["fsdp2"]["elements"]["reduce_scatter"] == results["num_params"]  # each gradient reduced once
+    for r in rows.values():
+        assert 0.4 < r["measured_over_theory"] < 2, r
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_timing_rows_and_trainer_really_shards(results):
+    assert results["overhead"]["recipe_over_plain"]["median"] > 0
+    assert {r["engine"] for r in results["sharding_cost"]} == set(ENGINES)
+    assert all(r["step_time_over_ddp"]["median"] > 0 for r in results["sharding_cost"])
+    assert [r["engine"] for r in results["trainer"]] == ["fsdp2", "zero3"]
+    for r in results["trainer"]:
+        assert r["trainer_engine"] == r["engine"]
+        assert r["trainer_local_param_fraction_per_rank"] == [0.5, 0.5]  # not the silent single-process fallback
+        assert r["recipe_peak_mem_bytes"]["median"] > 0 and r["trainer_peak_mem_bytes"]["median"] > 0
+
+
+@pytest.mark.unit
+def test_gpu_script_logic_on_cpu(tmp_path):
+    proc = subprocess.run([sys.executable, "benchmarks/gpu.py", "--smoke", "--output_dir", str(tmp_path),
+                           "--variants", "eager", "eager+ac"], cwd=REPO, env=isolated_env(tmp_path),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads((tmp_path / "gpu.json").read_text())
+    assert [v["variant"] for v in report["variants"]] == ["eager", "eager+ac"]
+    assert all(v["tokens_per_s"] > 0 and 0 < v["mfu"] < 1 for v in report["variants"])
+    assert report["flops_per_token"] == 6 * report["matmul_params"] + 12 * 2 * 64 * 64
