@@ -20,10 +20,10 @@ LONG_RUN = ("--max_steps", "100000", "--seq_len", "64", "--per_device_batch_size
 GRACE_S = 30  # torchrun's shutdown grace period: everything must be saved and gone well before
 
 
-def start(output_dir, config="fsdp2", extra=()):
+def start(output_dir, config="fsdp2", extra=(), launch_args=()):
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(REPO / f"accelerate_configs/{config}.yaml"), "--num_processes", "2", "--main_process_port",
-           str(free_port()), "--mixed_precision", "no", str(REPO / "recipes/llama_zero3.py"),
+           str(free_port()), "--mixed_precision", "no", *launch_args, str(REPO / "recipes/llama_zero3.py"),
            "--output_dir", str(output_dir), *LONG_RUN, *extra]
     return subprocess.Popen(cmd, cwd=REPO, env=isolated_env(output_dir.parent), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -98,3 +98,22 @@ def test_a_rank_killed_fails_the_job_and_resume_auto_continues(tmp_path):
                      config="fsdp2", mixed_precision="no", env=isolated_env(tmp_path)).check()
     assert [m["step"] for m in resumed.metrics()][-3:] == [step, step + 1, step + 2]
 
+
+
+def test_torchrun_max_restarts_restarts_in_place_and_resumes(tmp_path):
+    """`accelerate launch --max_restarts 1 ... --resume auto`: a rank killed with SIGKILL makes torchrun restart
+    every worker in place; they join a fresh process group (zero_utils.runtime, per-attempt rendezvous keys),
+    resume from the newest complete checkpoint and finish the run, and the job exits 0."""
+    out = tmp_path / "run"
+    proc = start(out, extra=("--max_steps", "40", "--save_every", "2", "--resume", "auto", "--seq_len", "256",
+                             "--per_device_batch_size", "8", "--collective_timeout_s", "60"),
+                 launch_args=("--max_restarts", "1"))
+    wait_for_steps(out, 5, proc)
+    killed_at = len((out / "metrics.jsonl").read_text().splitlines())
+    os.kill(workers_of(proc)[-1], signal.SIGKILL)
+    output = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, output[-3000:]
+    assert killed_at < 40, "the run ended before the kill: make the steps slower"
+    steps = [int(line.split('"step": ')[1].split(",")[0]) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 41))
+    assert output.count("resumed from") == 1, output[-3000:]

@@ -96,6 +96,7 @@ def build_accelerator(*, per_device_batch_size: int, gradient_accumulation_steps
     timeout = datetime.timedelta(seconds=timeout_s)
     kwargs_handlers = [InitProcessGroupKwargs(timeout=timeout)]
     on_cpu = not torch.cuda.is_available()
+    _init_process_group_after_restart(timeout, backend="gloo" if on_cpu else None)
     if on_cpu and launch["under_launcher"]:
         # [CPU] accelerate only selects FSDP/DDP for accelerator devices; initialise gloo ourselves and tell the
         # shared state which branch to take (verified against accelerate 1.15; a test fails if this changes).
@@ -120,6 +121,32 @@ def build_accelerator(*, per_device_batch_size: int, gradient_accumulation_steps
         _adapt_fsdp_offload_for_cpu(accelerator)
     check_launch(accelerator)
     return accelerator
+
+
+def _init_process_group_after_restart(timeout: datetime.timedelta, backend: str | None) -> None:
+    """After an in-place restart by torchrun (`--max_restarts`), join a process group whose rendezvous keys are
+    this attempt's own.
+
+    The restarted workers reuse the launcher agent's TCPStore (static and c10d rendezvous alike), and the default
+    `env://` rendezvous reads it without a per-attempt prefix (torch 2.13 `_create_c10d_store` assumes a new store
+    per retry). A restarted rank can then read a dead peer's address left by the failed attempt: gloo's
+    connectFullMesh fails with "Connection refused" whenever the restarted peer has not yet overwritten it
+    (3 of 4 restarts here). Prefixing the store with the attempt number, as a fresh store would be, makes every
+    restart join cleanly (5 of 5). Accelerate and DeepSpeed then use this group instead of creating one. On CUDA
+    the backend is torch's default pair (nccl for CUDA tensors, gloo for CPU tensors), a superset of what
+    accelerate picks; the first attempt is left entirely to accelerate.
+    """
+    import torch.distributed as dist
+
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or dist.is_initialized():
+        return
+    world_size, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                                is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"/zero_recipes/attempt_{attempt}", agent_store),
+                            rank=rank, world_size=world_size, timeout=timeout)
+    logger.info("joined the process group of restart attempt %d", attempt)
 
 
 def _configure_deepspeed(accelerator, per_device_batch_size, gradient_accumulation_steps, max_grad_norm) -> None:
