@@ -12,6 +12,8 @@ BENCH_COMMS_STEP=S  counts every c10d collective of optimizer step S with torch.
                     list to BENCH_COMMS_FILE.rank<R>. The step runs from the recipe's call to
                     `data.global_batch_indices(step=S)` to its call for step S+1, so it includes the recipe's small
                     scalar all-reduces (token count, loss, grad norm, metrics maxima).
+BENCH_DEEPSPEED_DEFAULT_BUCKETS=1  leaves DeepSpeed's bucket sizes at its own defaults (what the Trainer gets from
+                    the same YAML) instead of zero_utils.runtime's "auto" (sized from the hidden size).
 BENCH_ACCELERATE_FSDP2_PREP=1  skips zero_utils.wrapping.shard_model: accelerate's `prepare` then applies
                     `fully_shard` itself (TRANSFORMER_BASED_WRAP on the decoder-block class, then the root, all
                     with the YAML's reshard_after_forward), which is what users get without our wrapping choices.
@@ -24,6 +26,7 @@ import os
 from pathlib import Path
 
 import zero_utils.data
+import zero_utils.runtime
 import zero_utils.wrapping
 from zero_utils.cli import run_recipe
 
@@ -92,6 +95,8 @@ def accelerate_fsdp2_prep() -> None:
 if __name__ == "__main__":
     if os.environ.get("BENCH_COMMS_STEP"):
         count_comms_of_step(int(os.environ["BENCH_COMMS_STEP"]), os.environ["BENCH_COMMS_FILE"])
+    if os.environ.get("BENCH_DEEPSPEED_DEFAULT_BUCKETS") == "1":
+        zero_utils.runtime._DEEPSPEED_AUTO_BUCKETS.clear()
     if os.environ.get("BENCH_ACCELERATE_FSDP2_PREP") == "1":
         accelerate_fsdp2_prep()
     spec = importlib.util.spec_from_file_location("llama_zero3", RECIPE)

@@ -15,6 +15,7 @@ Rows (results.json keys; docs/BENCHMARKS.md explains each and holds the figures)
     overhead       recipes/llama_zero3.py at world size 1 vs benchmarks/plain_loop.py (plain PyTorch), tokens/s.
     trainer        the recipe vs benchmarks/trainer_baseline.py (transformers Trainer) under fsdp2.yaml and
                    zero3.yaml at 2 processes: tokens/s and peak memory per rank; the Trainer's sharding asserted.
+                   Also the recipe under ZeRO-3 with DeepSpeed's default bucket sizes, the Trainer's (ours: "auto").
     sharding_cost  step time of each engine / DDP's at world size 2 and 4, plus FSDP2 prepared by accelerate itself
                    (benchmarks/recipe_probe.py skips zero_utils.wrapping) vs ours.
 The machine is shared and noisy: every timing is a ratio of runs interleaved within one repeat (A B A B ...),
@@ -41,6 +42,9 @@ REPO = Path(__file__).resolve().parent.parent
 ENGINES = ["ddp", "zero1", "zero2", "zero3", "fsdp2", "fsdp2_zero2"]
 ACCELERATE_PREP = "fsdp2_accelerate_prep"  # FSDP2 wrapped by accelerate's prepare instead of zero_utils.wrapping
 TRAINER_ENGINES = ["fsdp2", "zero3"]
+# ZeRO-3 with DeepSpeed's default bucket sizes, as the Trainer gets them from the same YAML (our runtime sizes them
+# from the hidden size instead): isolates that one difference in the Trainer comparison.
+DS_DEFAULT_BUCKETS = "zero3_default_buckets"
 WARMUP_STEPS = 4  # left out of every median: first-step setup, and step 3, which comms runs profile
 COMMS_STEP = 3
 # ZeRO paper (Rajbhandari et al. 2020, section 7): elements per rank per step, in units of Psi.
@@ -71,6 +75,7 @@ common = ["--model", model_dir, "--seq_len", str(args.seq_len), "--per_device_ba
           str(args.per_device_batch_size)]
 recipe_flags = common + ["--overwrite", "--eval_fraction", "0", "--max_new_tokens", "0", "--report_to", "none"]
 started = time.time()
+retried = []  # launches that failed once and passed on their retry
 
 
 def free_port() -> int:
@@ -88,9 +93,15 @@ def launch(script: str, name: str, world: int, config: str | None, flags: list, 
         cmd += ["--config_file", str(REPO / "accelerate_configs" / f"{config}.yaml")]
     cmd += [str(REPO / script), "--output_dir", str(run_dir), *flags]
     t0 = time.time()
-    proc = subprocess.run(cmd, cwd=REPO, env={**env, **(extra_env or {})}, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{name} failed ({proc.returncode}):\n{' '.join(cmd)}\n{proc.stderr[-4000:]}")
+    for attempt in range(2):  # a shared machine: one retry when a rank dies from outside (seen: SIGKILL)
+        proc = subprocess.run(cmd, cwd=REPO, env={**env, **(extra_env or {})}, capture_output=True, text=True)
+        if proc.returncode == 0:
+            break
+        if attempt == 1:
+            raise RuntimeError(f"{name} failed ({proc.returncode}):\n{' '.join(cmd)}\n{proc.stderr[-4000:]}")
+        retried.append(name)
+        print(f"  {name} failed ({proc.returncode}), retrying once:\n{proc.stderr[-600:]}", flush=True)
+        cmd[cmd.index("--main_process_port") + 1] = str(free_port())
     print(f"  [{time.time() - started:6.0f} s] {name}: {time.time() - t0:.0f} s", flush=True)
     return run_dir
 
@@ -99,13 +110,15 @@ def recipe(engine: str, world: int, repeat: int, steps: int, count_comms: bool =
     """One recipe launch; returns its summary plus tokens_per_s over the steps after WARMUP_STEPS."""
     name = f"{engine}-{world}x-r{repeat}"
     extra_env, script = {}, "recipes/llama_zero3.py"
-    if count_comms or engine == ACCELERATE_PREP:
+    if count_comms or engine in (ACCELERATE_PREP, DS_DEFAULT_BUCKETS):
         script = "benchmarks/recipe_probe.py"
     if count_comms:
         extra_env.update(BENCH_COMMS_STEP=str(COMMS_STEP), BENCH_COMMS_FILE=str(out_dir / "runs" / f"{name}.comms"))
     if engine == ACCELERATE_PREP:
         extra_env["BENCH_ACCELERATE_FSDP2_PREP"] = "1"
-    config = "fsdp2" if engine == ACCELERATE_PREP else (None if engine == "single" else engine)
+    if engine == DS_DEFAULT_BUCKETS:
+        extra_env["BENCH_DEEPSPEED_DEFAULT_BUCKETS"] = "1"
+    config = {ACCELERATE_PREP: "fsdp2", DS_DEFAULT_BUCKETS: "zero3", "single": None}.get(engine, engine)
     run_dir = launch(script, name, world, config, recipe_flags + ["--max_steps", str(steps)], extra_env)
     summary = json.loads((run_dir / "summary.json").read_text())
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -140,6 +153,7 @@ for repeat in range(args.repeats):
             for engine in TRAINER_ENGINES:
                 runs.setdefault((f"trainer_{engine}", 2), []).append(script_run(
                     "benchmarks/trainer_baseline.py", f"trainer_{engine}-2x-r{repeat}", 2, engine, "trainer.json"))
+            runs.setdefault((DS_DEFAULT_BUCKETS, 2), []).append(recipe(DS_DEFAULT_BUCKETS, 2, repeat, args.max_steps))
     runs.setdefault(("single", 1), []).append(recipe("single", 1, repeat, args.max_steps))
     runs.setdefault(("plain_loop", 1), []).append(script_run(
         "benchmarks/plain_loop.py", f"plain_loop-1x-r{repeat}", 1, None, "plain_loop.json"))
@@ -203,6 +217,15 @@ for engine in TRAINER_ENGINES:
                                                     for a, b in zip(ours, theirs, strict=True)]),
         "recipe_peak_mem_bytes": spread([r["peak_mem_bytes"] for r in ours]),
         "trainer_peak_mem_bytes": spread([r["peak_mem_bytes"] for r in theirs])})
+default_buckets, trainer_zero3 = runs[(DS_DEFAULT_BUCKETS, 2)], runs[("trainer_zero3", 2)]
+results["zero3_default_buckets"] = {
+    "world_size": 2, "tokens_per_s": spread([r["tokens_per_s"] for r in default_buckets]),
+    "over_trainer_tokens_per_s": spread([a["tokens_per_s"] / b["tokens_per_s"]
+                                         for a, b in zip(default_buckets, trainer_zero3, strict=True)]),
+    "over_recipe_tokens_per_s": spread([a["tokens_per_s"] / b["tokens_per_s"]
+                                        for a, b in zip(default_buckets, runs[("zero3", 2)], strict=True)]),
+    "peak_mem_bytes": spread([r["peak_mem_bytes"] for r in default_buckets]),
+    "engine_buffer_bytes": default_buckets[0]["model_state_breakdown_bytes"]["engine_buffers"]}
 
 results["sharding_cost"] = []
 for world in world_sizes:
@@ -221,6 +244,7 @@ for world in world_sizes:
             theirs[0]["model_state_bytes"], "ours_fsdp_units": ours[0]["sharding_per_rank"][0]["fsdp_units"],
         "accelerate_prep_fsdp_units": theirs[0]["sharding_per_rank"][0]["fsdp_units"]})
 results["elapsed_s"] = time.time() - started
+results["retried_launches"] = retried
 
 
 # ------------------------------------------------------------------------------------------ table
@@ -266,6 +290,10 @@ lines += md_table(
       rng(r["trainer_tokens_per_s"], "{:.0f}"), f"{r['recipe_peak_mem_bytes']['median'] / mb:.0f}",
       f"{r['trainer_peak_mem_bytes']['median'] / mb:.0f}", r["trainer_local_param_fraction_per_rank"]]
      for r in results["trainer"]])
+z = results["zero3_default_buckets"]
+lines += ["", f"ZeRO-3 recipe with DeepSpeed's default bucket sizes (the Trainer's), tokens/s over the Trainer's: "
+          f"**{rng(z['over_trainer_tokens_per_s'])}**, over the recipe's (auto buckets): "
+          f"{rng(z['over_recipe_tokens_per_s'])}; peak {z['peak_mem_bytes']['median'] / mb:.0f} MB/rank."]
 lines += ["", "## Cost of sharding: step time / DDP's, same model and batch", ""]
 lines += md_table(["engine", "N", "step time / DDP", "tokens/s"],
                   [[r["engine"], r["world_size"], rng(r["step_time_over_ddp"]), rng(r["tokens_per_s"], "{:.0f}")]

@@ -1,6 +1,6 @@
 """The benchmarks run and every row they report is sane (never timed: performance claims live in docs/BENCHMARKS.md).
 
-`benchmarks/run.py --smoke` launches every engine once at 2 processes (~11 launches, about 3 minutes here);
+`benchmarks/run.py --smoke` launches every engine once at 2 processes (12 launches, about 3 minutes here);
 `benchmarks/gpu.py --smoke` checks the GPU script's logic on the CPU with a tiny model."""
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ def test_timing_rows_and_trainer_really_shards(results):
         assert r["trainer_engine"] == r["engine"]
         assert r["trainer_local_param_fraction_per_rank"] == [0.5, 0.5]  # not the silent single-process fallback
         assert r["recipe_peak_mem_bytes"]["median"] > 0 and r["trainer_peak_mem_bytes"]["median"] > 0
+    assert results["zero3_default_buckets"]["over_trainer_tokens_per_s"]["median"] > 0
 
 
 @pytest.mark.unit
