@@ -131,6 +131,8 @@ def main(cfg: Settings) -> None:
             checkpoint.prepare_deepspeed_resume(accelerator, resume_from, resume_meta)
     if engine.startswith("fsdp2"):  # [FSDP2] shard block by block, then the root, before the optimizer sees params
         wrapping.shard_model(model, accelerator)
+    if engine.startswith("zero"):  # [DeepSpeed] communication buckets sized from the model's hidden size
+        runtime.size_deepspeed_buckets(accelerator, model)
 
     # ------------------------------------------------------------------------------ optimizer, prepare
     optimizer = build_adamw(model, cfg.lr, cfg.weight_decay)

@@ -129,6 +129,8 @@ def main(cfg: Settings) -> None:
     elif any(getattr(cfg, f) != getattr(Settings, f) for f in ("fsdp_reshard_last_block", "fsdp_embedding_group",
                                                                "fsdp_prefetch_blocks")):
         accelerator.print(f"warning: the --fsdp_* wrapping flags have no effect under {engine}.")
+    if engine.startswith("zero"):  # [DeepSpeed] communication buckets sized from the model's hidden size
+        runtime.size_deepspeed_buckets(accelerator, model)
 
     # ------------------------------------------------------------------------------ optimizer, prepare
     optimizer = build_adamw(model, cfg.lr, cfg.weight_decay)

@@ -26,10 +26,11 @@ I = intermediate size, L = layers, V = vocab), in bytes for 16-bit activations:
 
 Transient peaks (engine buffers and gathered parameters, in the compute dtype, on top of model states):
     ddp          one 25 MiB gradient bucket (gradients are views into the buckets: gradient_as_bucket_view=True).
-    zero1/zero2  reduce bucket ("auto" = h^2 elements) + allgather bucket (DeepSpeed default 5e8 elements).
+    zero1/zero2  reduce bucket + allgather bucket (DeepSpeed default 5e8 elements).
     zero3        live parameters (stage3_max_live_parameters, 1e9 elements, an upper bound) + reduce bucket
-                 (h^2) + prefetch bucket (0.9 h^2) + persistent small params (<= 10 h elements each), accelerate's
-                 "auto" values (zero_utils.runtime sets them).
+                 + prefetch bucket + persistent small params (<= 10 h elements each). Bucket sizes are those
+                 zero_utils.runtime.deepspeed_bucket_elements sets: accelerate's "auto" (h^2, 0.9 h^2 elements),
+                 at least 25 MiB of fp32 elements each.
     fsdp2        the output-head group, kept gathered (zero_utils.wrapping), + the unit being computed and the
                  prefetched next one (2 x the largest unit) + that unit's gradient during backward.
     fsdp2_zero2  every unit stays gathered from its forward to its backward: the whole model + one unit's gradient.
@@ -51,6 +52,7 @@ from pathlib import Path
 import torch
 
 from zero_utils.errors import UserError
+from zero_utils.runtime import deepspeed_bucket_elements
 
 # accelerate_configs/<name>.yaml, in the order the estimator recommends them: least communication first.
 ENGINES = ("ddp", "zero1", "zero2", "fsdp2_zero2", "zero3", "fsdp2", "zero3_offload", "fsdp2_offload")
@@ -487,10 +489,13 @@ def transient_bytes(engine: str, arch: Architecture, *, dtype: str = "bf16", tra
     psi, h = arch.num_params, arch.hidden_size
     if base in ("ddp", "single"):
         return 25 * 2**20  # torch's bucket_cap_mb default
+    buckets = deepspeed_bucket_elements(h)
+    reduce_bucket, prefetch_bucket = buckets["reduce_bucket_size"], buckets["stage3_prefetch_bucket_size"]
     if base in ("zero1", "zero2"):
-        return element_bytes * (min(h * h, psi) + min(500_000_000, psi))
+        return element_bytes * (min(reduce_bucket, psi) + min(500_000_000, psi))
     if base == "zero3":
-        gathered = min(1_000_000_000, psi) + min(h * h, psi) + min(int(0.9 * h * h), psi) + arch.persistent_params
+        gathered = (min(1_000_000_000, psi) + min(reduce_bucket, psi) + min(prefetch_bucket, psi)
+                    + arch.persistent_params)
         return element_bytes * gathered
     unit = max(arch.block_params, arch.embed_params)
     unit_grad = element_bytes * int(unit * trainable_fraction)
