@@ -13,7 +13,7 @@ BENCH_COMMS_STEP=S  counts every c10d collective of optimizer step S with torch.
                     `data.global_batch_indices(step=S)` to its call for step S+1, so it includes the recipe's small
                     scalar all-reduces (token count, loss, grad norm, metrics maxima).
 BENCH_DEEPSPEED_DEFAULT_BUCKETS=1  leaves DeepSpeed's bucket sizes at its own defaults (what the Trainer gets from
-                    the same YAML) instead of zero_utils.runtime's "auto" (sized from the hidden size).
+                    the same YAML) instead of zero_utils.runtime's (the hidden size's, at least 25 MiB).
 BENCH_ACCELERATE_FSDP2_PREP=1  skips zero_utils.wrapping.shard_model: accelerate's `prepare` then applies
                     `fully_shard` itself (TRANSFORMER_BASED_WRAP on the decoder-block class, then the root, all
                     with the YAML's reshard_after_forward), which is what users get without our wrapping choices.
