@@ -14,6 +14,9 @@ BENCH_COMMS_STEP=S  counts every c10d collective of optimizer step S with torch.
                     scalar all-reduces (token count, loss, grad norm, metrics maxima).
 BENCH_DEEPSPEED_DEFAULT_BUCKETS=1  leaves DeepSpeed's bucket sizes at its own defaults (what the Trainer gets from
                     the same YAML) instead of zero_utils.runtime's (the hidden size's, at least 25 MiB).
+BENCH_DEEPSPEED_ZERO='{"key": value, ...}'  overrides DeepSpeed `zero_optimization` settings after the runtime has
+                    sized its buckets (one setting at a time, for ablations): e.g. '{"reduce_bucket_size": 65536,
+                    "stage3_prefetch_bucket_size": 58982}' is accelerate's plain "auto" at hidden 256.
 BENCH_ACCELERATE_FSDP2_PREP=1  skips zero_utils.wrapping.shard_model: accelerate's `prepare` then applies
                     `fully_shard` itself (TRANSFORMER_BASED_WRAP on the decoder-block class, then the root, all
                     with the YAML's reshard_after_forward), which is what users get without our wrapping choices.
@@ -81,6 +84,17 @@ def count_comms_of_step(step_to_count: int, path: str) -> None:
     zero_utils.data.global_batch_indices = global_batch_indices
 
 
+def override_deepspeed_zero(settings: dict) -> None:
+    size_deepspeed_buckets = zero_utils.runtime.size_deepspeed_buckets
+
+    def sized_then_overridden(accelerator, model):
+        written = size_deepspeed_buckets(accelerator, model)
+        accelerator.state.deepspeed_plugin.deepspeed_config["zero_optimization"].update(settings)
+        return written | settings
+
+    zero_utils.runtime.size_deepspeed_buckets = sized_then_overridden
+
+
 def accelerate_fsdp2_prep() -> None:
     """Leave FSDP2 wrapping to accelerate's prepare, pointed at the same decoder-block class."""
 
@@ -97,6 +111,8 @@ if __name__ == "__main__":
         count_comms_of_step(int(os.environ["BENCH_COMMS_STEP"]), os.environ["BENCH_COMMS_FILE"])
     if os.environ.get("BENCH_DEEPSPEED_DEFAULT_BUCKETS") == "1":
         zero_utils.runtime._DEEPSPEED_AUTO_BUCKETS.clear()
+    if os.environ.get("BENCH_DEEPSPEED_ZERO"):
+        override_deepspeed_zero(json.loads(os.environ["BENCH_DEEPSPEED_ZERO"]))
     if os.environ.get("BENCH_ACCELERATE_FSDP2_PREP") == "1":
         accelerate_fsdp2_prep()
     spec = importlib.util.spec_from_file_location("llama_zero3", RECIPE)
