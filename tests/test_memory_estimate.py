@@ -289,3 +289,36 @@ def test_cli_error_exits_2():
     assert proc.returncode == 2 and proc.stdout == ""
     expected = f"error: unknown engine 'zero4'; use one of: {', '.join(memory.ENGINES)}."
     assert proc.stderr.strip().splitlines() == [expected]
+
+
+def test_deepspeed_buckets_follow_the_hidden_size_with_a_floor_and_keep_a_users_setting():
+    """What zero_utils.runtime writes into DeepSpeed's config before `prepare` (the estimator uses the same sizes):
+    accelerate's "auto" sizes from hidden 2560 up, the 25 MiB floor below, and a size the user's own DeepSpeed
+    config file sets is left alone."""
+    from types import SimpleNamespace
+
+    from zero_utils import runtime
+
+    floor = 25 * 2**20 // 4
+    assert runtime.deepspeed_bucket_elements(4096) == {
+        "reduce_bucket_size": 4096**2, "stage3_prefetch_bucket_size": int(0.9 * 4096**2),
+        "stage3_param_persistence_threshold": 40960}
+    assert runtime.deepspeed_bucket_elements(256) == {
+        "reduce_bucket_size": floor, "stage3_prefetch_bucket_size": floor, "stage3_param_persistence_threshold": 2560}
+
+    zero_config = {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": 1234,
+                   "stage3_param_persistence_threshold": "auto"}
+    plugin = SimpleNamespace(deepspeed_config={"zero_optimization": zero_config})
+    accelerator = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin))
+    written = runtime.size_deepspeed_buckets(accelerator, SimpleNamespace(config=SimpleNamespace(hidden_size=256)))
+    assert written == {"reduce_bucket_size": floor, "stage3_param_persistence_threshold": 2560}
+    assert zero_config["stage3_prefetch_bucket_size"] == 1234
+    no_deepspeed = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=None))
+    assert runtime.size_deepspeed_buckets(no_deepspeed, SimpleNamespace(config=SimpleNamespace(hidden_size=256))) == {}
+
+    # the estimate's ZeRO-3 transients: live-parameter bound (here the model) + the two floored buckets (bounded by
+    # the model) + persistent params
+    arch = memory.architecture_from_sizes(3_348_736, hidden_size=256, num_layers=4, vocab_size=2000)
+    psi = arch.num_params
+    assert memory.transient_bytes("zero3", arch, dtype="fp32") == 4 * (psi + min(floor, psi) + min(floor, psi)
+                                                                       + arch.persistent_params)
