@@ -69,8 +69,8 @@ memory_world_sizes = [2] if args.quick else [1, 2, 4]
 out_dir = Path(args.output_dir).resolve()
 out_dir.mkdir(parents=True, exist_ok=True)
 # A fixed glibc mmap threshold makes peak RSS comparable between processes: with glibc's dynamic threshold, freed
-# large blocks raise it and later ones stay on the heap, so RSS depends on the order of allocations (measured: the
-# recipe and the Trainer under zero3.yaml, 55-90 MB/rank apart with it, 10 MB the other way round without it).
+# large blocks raise it and later ones stay on the heap, so RSS depends on the order of allocations (measured under
+# zero3.yaml: the recipe 55-90 MB/rank above the Trainer with the dynamic threshold, 10 MB below with this one).
 env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
        "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TQDM_DISABLE": "1", "TOKENIZERS_PARALLELISM": "false",
        "WANDB_MODE": "disabled", "MALLOC_MMAP_THRESHOLD_": "131072"}
