@@ -28,7 +28,8 @@ torch.manual_seed(args.seed)
 tokenizer = load_tokenizer(args.model)
 # zero_utils.data asks its "accelerator" only which process runs first: one process, so this one.
 one_process = SimpleNamespace(is_main_process=True, num_processes=1)
-rows, _, _ = data.build_sft_datasets(one_process, tokenizer, data.BUNDLED_DATASET, args.seq_len, 0.0, args.seed)
+rows, _, _ = data.build_sft_datasets(one_process, tokenizer, data.BUNDLED_DATASET, args.seq_len, 0.0, args.seed,
+                                     vocab_size=len(tokenizer))
 rows = rows.with_format("torch", columns=["input_ids", "labels", "position_ids"])
 # A config-only folder, as the recipe builds it (zero_utils.model.load_causal_lm): random fp32 weights.
 model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model), dtype=torch.float32)

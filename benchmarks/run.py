@@ -70,7 +70,7 @@ out_dir = Path(args.output_dir).resolve()
 out_dir.mkdir(parents=True, exist_ok=True)
 # A fixed glibc mmap threshold makes peak RSS comparable between processes: with glibc's dynamic threshold, freed
 # large blocks raise it and later ones stay on the heap, so RSS depends on the order of allocations (measured under
-# zero3.yaml: the recipe 55-90 MB/rank above the Trainer with the dynamic threshold, 10 MB below with this one).
+# zero3.yaml: the recipe 55-90 MB/rank above the Trainer with the dynamic threshold, 5-10 MB below with this one).
 env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
        "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TQDM_DISABLE": "1", "TOKENIZERS_PARALLELISM": "false",
        "WANDB_MODE": "disabled", "MALLOC_MMAP_THRESHOLD_": "131072"}

@@ -39,7 +39,8 @@ else:
 world = accelerator.num_processes
 torch.manual_seed(args.seed)
 tokenizer = load_tokenizer(args.model)
-train_rows, _, _ = data.build_sft_datasets(accelerator, tokenizer, data.BUNDLED_DATASET, args.seq_len, 0.0, args.seed)
+train_rows, _, _ = data.build_sft_datasets(accelerator, tokenizer, data.BUNDLED_DATASET, args.seq_len, 0.0,
+                                           args.seed, vocab_size=len(tokenizer))
 train_rows = train_rows.with_format("torch", columns=["input_ids", "labels", "position_ids"])
 model = load_causal_lm(args.model, accelerator=accelerator)
 model.config.use_cache = False  # packed rows: with a cache object transformers skips the block-diagonal mask

@@ -30,18 +30,19 @@ from peft import LoraConfig, get_peft_model
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from zero_utils import checkpoint, data, errors, generate, memory, runtime, tracking, wrapping
+from zero_utils import attention, checkpoint, data, errors, generate, memory, runtime, tracking, wrapping
 from zero_utils.cli import flag, run_recipe
 from zero_utils.errors import UserError
 from zero_utils.model import (
     BUNDLED_MODEL,
     count_parameters,
     load_causal_lm,
+    load_config,
     load_tokenizer,
     quantization_config,
     zero3_init_disabled,
 )
-from zero_utils.optim import build_adamw, lr_at, set_lr
+from zero_utils.optim import build_adamw, describe_param_groups, lr_at, set_lr
 
 
 # ---------------------------------------------------------------------------------------------- settings
@@ -100,10 +101,14 @@ def main(cfg: Settings) -> None:
     set_seed(cfg.seed)
 
     # ------------------------------------------------------------------------------ data
+    # Packed rows hold several examples: sdpa/eager keep them apart with per-row block masks, flash-attention with
+    # the examples' offsets passed to its varlen kernel; any other implementation is refused here, before data prep.
+    attention_path = attention.packing_path(cfg.attn_implementation)
     tokenizer = load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code)
     columns = data.parse_column_map(cfg.columns)
     train_rows, eval_rows, data_info = data.build_sft_datasets(
-        accelerator, tokenizer, cfg.dataset, cfg.seq_len, cfg.eval_fraction, cfg.seed, columns)
+        accelerator, tokenizer, cfg.dataset, cfg.seq_len, cfg.eval_fraction, cfg.seed, columns,
+        vocab_size=load_config(cfg.model, cfg.trust_remote_code).vocab_size)  # pads inside the model's embedding
     global_batch = cfg.per_device_batch_size * cfg.gradient_accumulation_steps * world
     data.check_enough_rows(len(train_rows), global_batch)
 
@@ -136,6 +141,7 @@ def main(cfg: Settings) -> None:
 
     # ------------------------------------------------------------------------------ optimizer, prepare
     optimizer = build_adamw(model, cfg.lr, cfg.weight_decay)
+    param_groups = describe_param_groups(optimizer)  # decay / no-decay: the same under every engine
     expected_state_bytes = memory.expected_model_state_bytes(
         engine, num_params, world, accelerator.mixed_precision, param_groups=memory.param_group_shapes(optimizer),
         shard_group_size=runtime.shard_group_size(accelerator), frozen_params=frozen_params)  # [LoRA] frozen base
@@ -148,6 +154,7 @@ def main(cfg: Settings) -> None:
 
     # ------------------------------------------------------------------------------ tracking, resume
     run_config = {**asdict(cfg), "engine": engine, "world_size": world, "num_params": num_params,
+                  "optimizer_param_groups": param_groups,
                   "frozen_params": frozen_params,
                   "mixed_precision": accelerator.mixed_precision, "global_batch_rows": global_batch,
                   **{f"version_{k}": v for k, v in tracking.software_versions().items()}}
@@ -169,7 +176,8 @@ def main(cfg: Settings) -> None:
                           "accelerate_configs/fsdp2.yaml (or zero3.yaml for DeepSpeed) to accelerate launch.")
 
     def token_loss_sum(batch):
-        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False,
+                       **attention.packed_kwargs(batch["position_ids"], attention_path)).logits
         return F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(),
                                ignore_index=data.IGNORE_INDEX, reduction="sum")
 
@@ -301,7 +309,7 @@ def main(cfg: Settings) -> None:
         "saved_activation_bytes": activation_bytes.get("saved"),
         "model_state_bytes_expected": expected_state_bytes, "model_state_breakdown_bytes": model_state_max or None,
         "num_params": num_params, "frozen_params": frozen_params, "global_batch_rows": global_batch,
-        "seq_len": cfg.seq_len, "data": data_info,
+        "seq_len": cfg.seq_len, "data": data_info, "optimizer_param_groups": param_groups,
         "prompt": cfg.prompt, "answer": answer, "versions": tracking.software_versions(),
         "tracker_run_id": tracker.run_id, "group": cfg.group or None, "checkpoint": str(final_checkpoint),
         "checkpoint_bytes": checkpoint.checkpoint_bytes(final_checkpoint),

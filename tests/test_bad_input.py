@@ -35,3 +35,21 @@ def test_dataset_without_known_columns_names_them(runs, tmp_path):
 def test_seq_len_beyond_the_model_is_refused(runs):
     run = runs("bad-seq-len", *FAST[:-2], "--seq_len", "4096", config="ddp", timeout=180)
     assert_one_sentence(run, "--seq_len 4096", "max_position_embeddings")
+
+
+def test_stale_deepspeed_build_lock_stops_the_launch(runs, session_root):
+    """Before DeepSpeed loads its ops (inside Accelerator()), an abandoned build lock stops the launch with the
+    file to remove; without the check the launch waits on it forever (here: until this test's timeout)."""
+    import os
+    import time
+
+    from conftest import isolated_env
+
+    extensions = session_root / "stale-lock-extensions"
+    lock = extensions / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    lock.touch()
+    os.utime(lock, (time.time() - 3600,) * 2)
+    env = {**isolated_env(session_root), "TORCH_EXTENSIONS_DIR": str(extensions)}
+    run = runs("bad-stale-lock", *FAST, config="zero1", num_processes=1, env=env, timeout=120)
+    assert_one_sentence(run, str(lock), "minutes old", f"rm {lock}")

@@ -89,3 +89,22 @@ def test_ruff_clean():
     ruff = Path(sys.executable).parent / "ruff"
     out = subprocess.run([str(ruff), "check", str(REPO)], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout[-3000:]
+
+
+def test_stale_torch_extensions_lock_is_named_and_a_fresh_one_is_not(tmp_path, monkeypatch):
+    """A lock left by a killed DeepSpeed op build makes every later launch wait forever: it is reported with the
+    file to remove, while a lock as young as a running build is left alone (a private folder, never the real one)."""
+    import os
+    import time
+
+    from zero_utils import runtime
+    from zero_utils.errors import UserError
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = tmp_path / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir()
+    lock.touch()
+    runtime.check_extension_locks()  # just taken: a build in progress
+    os.utime(lock, (time.time() - 3600,) * 2)
+    with pytest.raises(UserError, match=rf"{lock} is 60 minutes old.*rm {lock}$"):
+        runtime.check_extension_locks()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -218,3 +219,32 @@ def test_eval_batches_are_equal_in_number_on_every_rank():
 def test_not_enough_rows_names_the_global_batch():
     with pytest.raises(UserError, match="global batch"):
         data.check_enough_rows(3, 8)
+
+
+ONE_PROCESS = SimpleNamespace(is_main_process=True, num_processes=1)  # build_sft_datasets' only use of it
+
+
+def test_rows_are_padded_inside_the_embedding_when_the_tokenizer_pad_is_outside(tmp_path):
+    """A tokenizer whose pad token is not in the model's embedding (as transformers' Qwen2 tokenizer adds
+    `<|endoftext|>` when the saved one has none): rows are padded with EOS, which the embedding has."""
+    tokenizer = AutoTokenizer.from_pretrained(BUNDLED_MODEL)
+    vocab_size = len(tokenizer)
+    tokenizer.add_special_tokens({"pad_token": "<|pad_outside|>"})
+    assert tokenizer.pad_token_id == vocab_size
+    assert data.pad_token_id_within(tokenizer, vocab_size) == tokenizer.eos_token_id
+    path = tmp_path / "chat.jsonl"
+    _write(path, [{"messages": CHAT}] * 6, "jsonl")
+    train, _, _ = data.build_sft_datasets(ONE_PROCESS, tokenizer, str(path), 128, 0.0, 0, vocab_size=vocab_size)
+    ids = torch.cat([row["input_ids"] for row in train])
+    assert int(ids.max()) < vocab_size and (ids == tokenizer.eos_token_id).sum() > 6  # EOS ends examples and pads
+
+
+def test_text_tokens_outside_the_embedding_stop_before_training(tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(BUNDLED_MODEL)
+    vocab_size = len(tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|tool|>"]})
+    path = tmp_path / "tool.jsonl"
+    _write(path, [{"prompt": "call <|tool|> now", "completion": "done"}] * 6, "jsonl")
+    with pytest.raises(UserError, match=rf"token id {vocab_size} \('<\|tool\|>'\), outside the model's embedding "
+                                        rf"of {vocab_size} tokens.*resize_token_embeddings"):
+        data.build_sft_datasets(ONE_PROCESS, tokenizer, str(path), 128, 0.0, 0, vocab_size=vocab_size)

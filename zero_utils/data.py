@@ -12,8 +12,10 @@ layouts users bring, detected from the columns:
 
 The tokenizer's chat template renders conversations when it has one; otherwise `PLAIN_FORMAT` does.
 Examples are packed into rows of exactly `seq_len` tokens. Each row carries `position_ids` that restart at 0 at
-every example, which makes transformers build a block-diagonal causal mask (with `use_cache=False`), so no token
-attends to another example; flash-attention kernels separate examples through the same position ids.
+every example. Under sdpa and eager attention they make transformers build a block-diagonal causal mask per row
+(with `use_cache=False`), so no token attends to another example. Flash-attention does not read them at a
+micro-batch size above 1 (it attends across the whole row): the example offsets must reach its varlen kernel
+explicitly, which `zero_utils.attention.packed_kwargs` does.
 `labels` are already shifted: `labels[t]` is the target of position t (the next token of the same example), or
 -100 where there is no loss (prompt tokens, the last token of each example, padding). The loss is then a plain
 `cross_entropy(logits, labels, ignore_index=-100)` and never predicts one example from another.
@@ -213,14 +215,34 @@ def pack_examples(examples: list[dict], seq_len: int, pad_token_id: int) -> tupl
     return rows, truncated
 
 
+def pad_token_id_within(tokenizer, vocab_size: int) -> int:
+    """The id packed rows are padded with: the tokenizer's pad token, else its EOS, else 0, whichever comes first
+    inside the model's embedding of `vocab_size` rows. A tokenizer may hold more tokens than the embedding
+    (transformers' Qwen2 tokenizer adds `<|endoftext|>` as pad when the saved one has none; users add chat tokens);
+    padding carries no loss and attends only to itself, so any id the embedding has is correct."""
+    return next(t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if t is not None and t < vocab_size)
+
+
+def check_token_ids(tokenizer, max_token_id: int, vocab_size: int) -> None:
+    """Raise `UserError` when the tokenized data holds a token id the model's embedding (`vocab_size` rows) does
+    not have: training would stop mid-step with an IndexError."""
+    if max_token_id >= vocab_size:
+        token = tokenizer.convert_ids_to_tokens(max_token_id)
+        raise UserError(f"the data tokenizes to token id {max_token_id} ({token!r}), outside the model's embedding "
+                        f"of {vocab_size} tokens: the tokenizer has tokens the model lacks; use the model's own "
+                        "tokenizer, or add them with model.resize_token_embeddings(len(tokenizer)), save the model and "
+                        "pass that folder as --model.")
+
+
 def build_sft_datasets(accelerator, tokenizer, dataset: str, seq_len: int, eval_fraction: float, seed: int,
-                       column_map: dict[str, str] | None = None):
+                       column_map: dict[str, str] | None = None, *, vocab_size: int):
     """Load, format, tokenize and pack a dataset once (main process first, through the `datasets` cache).
 
     Returns (train, eval, info): `datasets.Dataset`s of packed rows (columns input_ids, labels, position_ids,
     each `seq_len` long; eval is None when there is no held-out data) and a dict of counts for logging. The
     held-out split is the dataset's own validation/test split, else `eval_fraction` of the examples, split
-    before packing so no example is in both.
+    before packing so no example is in both. `vocab_size` is the model's embedding size (`config.vocab_size`):
+    rows are padded with an id inside it, and a text token outside it is a `UserError` before any training.
     """
     import datasets
 
@@ -235,7 +257,7 @@ def build_sft_datasets(accelerator, tokenizer, dataset: str, seq_len: int, eval_
             split = train_raw.train_test_split(test_size=eval_fraction, seed=seed)
             train_raw, eval_raw = split["train"], split["test"]
         layout = detect_layout(train_raw.column_names, column_map)
-        pad_id = next(t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if t is not None)
+        pad_id = pad_token_id_within(tokenizer, vocab_size)
 
         def tokenize(example):
             return tokenize_example(tokenizer, to_messages(example, layout, column_map))
@@ -246,6 +268,8 @@ def build_sft_datasets(accelerator, tokenizer, dataset: str, seq_len: int, eval_
             rows, truncated = pack_examples(examples, seq_len, pad_id)
             out = {k: [r[k] for r in rows] for k in ("input_ids", "labels", "position_ids")}
             out["num_truncated"] = [truncated] + [0] * (len(rows) - 1) if rows else []
+            max_id = max((max(ids) for ids in batch["input_ids"] if ids), default=0)
+            out["max_token_id"] = [max_id] + [0] * (len(rows) - 1) if rows else []
             return out
 
         def process(split_ds, name):
@@ -253,6 +277,7 @@ def build_sft_datasets(accelerator, tokenizer, dataset: str, seq_len: int, eval_
             # One big batch packs across the whole split (no waste at batch borders); rows are small ints.
             packed = tokenized.map(pack, batched=True, batch_size=len(tokenized) or 1,
                                    remove_columns=tokenized.column_names, desc=f"pack {name} to {seq_len}")
+            check_token_ids(tokenizer, max(packed["max_token_id"], default=0), vocab_size)
             rows = packed.with_format("torch", columns=["input_ids", "labels", "position_ids"])
             return rows, len(split_ds), sum(packed["num_truncated"])
 

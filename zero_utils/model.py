@@ -63,7 +63,7 @@ def load_causal_lm(name_or_path: str, *, accelerator=None, attn_implementation: 
     Pretrained weights never need a whole copy on every rank:
     - FSDP2 with `fsdp_cpu_ram_efficient_loading: true` in the YAML: rank 0 reads the weights; every other rank
       returns the model with its parameters on the meta device, and `wrapping.shard_model` broadcasts rank 0's
-      weights shard by shard.
+      weights shard by shard. With `quantization_config` (QLoRA) every rank loads its own 4-bit copy instead.
     - DeepSpeed ZeRO-3 with `zero3_init_flag: true`: transformers builds the model partitioned under
       `deepspeed.zero.Init`, rank 0 reads the weights and each parameter is scattered as it is loaded.
     """
@@ -77,12 +77,17 @@ def load_causal_lm(name_or_path: str, *, accelerator=None, attn_implementation: 
         if any(local.glob("*.bin")):
             raise UserError(f"--model {name_or_path!r} holds only pickled .bin weights; convert them to safetensors "
                             "(they are loaded only as safetensors, which cannot run code).")
+        if quantization_config is not None:
+            raise UserError(f"--qlora quantizes pretrained weights, but --model {name_or_path!r} holds only a config; "
+                            "point --model at a folder with safetensors weights or at a Hub model id.")
         with zero3_init_disabled(accelerator):  # [ZeRO-3]
             return AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code,
                                                     **kwargs)
     if quantization_config is not None:
+        # [QLoRA] Every rank quantizes its own copy while loading (4-bit: about a quarter of the bf16 bytes): a
+        # quantized layer cannot be built empty on the meta device and filled by rank 0's broadcast afterwards.
         kwargs["quantization_config"] = quantization_config
-    if loads_on_rank0_only(accelerator) and not accelerator.is_main_process:  # [FSDP2]
+    elif loads_on_rank0_only(accelerator) and not accelerator.is_main_process:  # [FSDP2]
         from accelerate import init_empty_weights
 
         # Parameters on the meta device (no memory), buffers real: zero_utils.wrapping.shard_model materialises

@@ -14,14 +14,30 @@ import torch
 
 
 def build_adamw(model: torch.nn.Module, lr: float, weight_decay: float, betas=(0.9, 0.95), eps: float = 1e-8):
-    """torch AdamW over the trainable parameters; 2-D and larger tensors decay, norms and biases (1-D) do not.
+    """torch AdamW over the trainable parameters; matrices and larger tensors decay, norms and biases (1-D) do not.
 
-    Build it after FSDP2 sharding so it holds the sharded (DTensor) parameters. Engines: all.
+    The choice reads each parameter's real shape: under DeepSpeed ZeRO-3 `zero.Init` (pretrained weights with
+    `zero3_init_flag: true`) a parameter's data is an empty 1-D partition and `ds_shape` holds its shape, so
+    `p.dim()` would put every matrix in the no-decay group. Build it after FSDP2 sharding so it holds the sharded
+    (DTensor, global shape) parameters. Engines: all.
     """
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    groups = [{"params": [p for p in params if is_matrix(p)], "weight_decay": weight_decay},
+              {"params": [p for p in params if not is_matrix(p)], "weight_decay": 0.0}]
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps)
+
+
+def is_matrix(param: torch.Tensor) -> bool:
+    """True for a parameter of 2 or more dimensions in the model (DeepSpeed ZeRO-3 partitions: `ds_shape`)."""
+    return len(getattr(param, "ds_shape", param.shape)) >= 2
+
+
+def describe_param_groups(optimizer) -> list[dict]:
+    """One dict per param group: {"weight_decay", "tensors", "elements" (whole-model element count, also when
+    sharded)}; the same under every engine for the same model. Call it before `accelerator.prepare`."""
+    return [{"weight_decay": group["weight_decay"], "tensors": len(group["params"]),
+             "elements": sum(getattr(p, "ds_numel", p.numel()) for p in group["params"])}
+            for group in optimizer.param_groups]
 
 
 def lr_at(step: int, *, max_steps: int, peak_lr: float, warmup_steps: int, schedule: str = "cosine",

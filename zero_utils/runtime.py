@@ -35,8 +35,9 @@ _DEEPSPEED_AUTO_BUCKETS = {
 }
 # accelerate's "auto" sizes (reduce h^2, prefetch 0.9 h^2 elements) make a small model pay one synchronising
 # collective per weight matrix: at hidden 256, ZeRO-3 ran at 0.76x the Trainer's tokens/s (which gets DeepSpeed's
-# 5e8 defaults), and 1.05x with this floor (docs/BENCHMARKS.md). The floor is DDP's default gradient bucket
-# (bucket_cap_mb=25) in fp32 elements; from hidden 2560 up, h^2 exceeds it and "auto" applies unchanged.
+# 5e8 defaults), and 1.03x / 0.99x (two runs) with this floor (docs/BENCHMARKS.md, section 4). The floor is
+# DDP's default gradient bucket (bucket_cap_mb=25) in fp32 elements; from hidden 2560 up, h^2 exceeds it and
+# "auto" applies unchanged.
 MIN_BUCKET_ELEMENTS = 25 * 2**20 // 4
 
 
@@ -99,6 +100,8 @@ def build_accelerator(*, per_device_batch_size: int, gradient_accumulation_steps
         os.environ["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] = str(gradient_accumulation_steps)
         os.environ["ACCELERATE_GRADIENT_CLIPPING"] = str(max_grad_norm)
 
+    if family == "deepspeed":  # Accelerator() below JIT-loads DeepSpeed's ops (on CPU, the shm comm op)
+        check_extension_locks()
     timeout = datetime.timedelta(seconds=timeout_s)
     kwargs_handlers = [InitProcessGroupKwargs(timeout=timeout)]
     on_cpu = not torch.cuda.is_available()
@@ -127,6 +130,37 @@ def build_accelerator(*, per_device_batch_size: int, gradient_accumulation_steps
         _adapt_fsdp_offload_for_cpu(accelerator)
     check_launch(accelerator)
     return accelerator
+
+
+STALE_LOCK_AGE_S = 300  # DeepSpeed's CPU ops build here in 30-45 s each (.ci/run); a lock this old is abandoned
+
+
+def check_extension_locks(max_age_s: float = STALE_LOCK_AGE_S) -> None:
+    """Raise `UserError` naming a torch-extensions `lock` file older than `max_age_s` seconds.
+
+    DeepSpeed loads its ops through torch's extension loader, which takes `<extensions dir>/<op>/lock` on every
+    load and waits on an existing one forever, without a message (torch `FileBaton`). A build ended by SIGKILL,
+    a plain SIGTERM or the OOM killer leaves it behind, and every later DeepSpeed launch then hangs at 0% CPU. The
+    lock names no owner and the folder may be shared between nodes, so it is reported, never removed. The folder
+    is torch's: `TORCH_EXTENSIONS_DIR`, else `~/.cache/torch_extensions/<python>_<device>`. Engines: DeepSpeed.
+    """
+    import glob
+    import time
+
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    patterns = [os.path.join(root, "*", "lock")] if root else [os.path.join(get_default_build_root(), "*", "*", "lock")]
+    now = time.time()
+    for lock in sorted(path for pattern in patterns for path in glob.glob(pattern)):
+        try:
+            age_s = now - os.path.getmtime(lock)
+        except FileNotFoundError:  # a build that just finished removed it
+            continue
+        if age_s > max_age_s:
+            raise UserError(f"{lock} is {age_s / 60:.0f} minutes old: a DeepSpeed op build was killed and every "
+                            "DeepSpeed launch would wait on it forever; if no build is running (on any node sharing "
+                            f"this folder), remove it: rm {lock}")
 
 
 def _init_process_group_after_restart(timeout: datetime.timedelta, backend: str | None) -> None:

@@ -1,0 +1,100 @@
+"""Packed examples stay apart under every attention implementation that runs here, at micro-batch size > 1.
+
+flash_attention_2 cannot load on CPU, so `varlen_probe` (tests/scripts/varlen_probe.py) runs transformers' own
+flash-attention path with plain-PyTorch kernels; it reproduces flash-attention's cross-example attention when the
+example boundaries do not reach the kernel (`test_probe_reproduces_flash_attention_mixing_examples`)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from conftest import REPO
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from zero_utils import attention, data
+from zero_utils.errors import UserError
+from zero_utils.model import BUNDLED_MODEL
+
+sys.path.insert(0, str(REPO / "tests" / "scripts"))
+import varlen_probe  # noqa: E402
+
+pytestmark = pytest.mark.unit
+
+TEXTS = ["The cat sat on the mat.", "Paris is the capital of France, and Rome is the capital of Italy.",
+         "One two three.", "Bread, butter and jam.", "A long sentence about nothing much at all, really.", "Yes."]
+
+
+@pytest.fixture(scope="module")
+def packed_batch():
+    """Two packed rows of 64 tokens (several examples each, then padding) and the examples' token ids."""
+    tokenizer = AutoTokenizer.from_pretrained(BUNDLED_MODEL)
+    examples = [data.tokenize_example(tokenizer, text) for text in TEXTS]
+    rows, _ = data.pack_examples(examples, seq_len=64, pad_token_id=tokenizer.pad_token_id)
+    assert len(rows) == 2
+    batch = {k: torch.tensor([r[k] for r in rows]) for k in ("input_ids", "position_ids")}
+    return batch, [ex["input_ids"] for ex in examples], len(tokenizer)
+
+
+def tiny_llama(vocab_size: int, implementation: str):
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    return LlamaForCausalLM._from_config(config, attn_implementation=implementation).eval()
+
+
+def logits_of_each_example(model, batch, examples, use_boundaries=True):
+    """(packed, alone) logits per example: from the packed micro-batch, and from the example run by itself."""
+    path = attention.packing_path(model.config._attn_implementation)
+    kwargs = attention.packed_kwargs(batch["position_ids"], path) if use_boundaries else {}
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False,
+                       **kwargs).logits
+    out, row, offset = [], 0, 0
+    for ids in examples:
+        if batch["input_ids"][row, offset:offset + len(ids)].tolist() != ids:  # the example opens the next row
+            row, offset = row + 1, 0
+        assert batch["input_ids"][row, offset:offset + len(ids)].tolist() == ids
+        with torch.no_grad():
+            alone = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0]
+        out.append((logits[row, offset:offset + len(ids)], alone))
+        offset += len(ids)
+    return out
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager", varlen_probe.NAME])
+def test_packed_examples_logits_equal_alone_at_batch_two(packed_batch, implementation):
+    varlen_probe.install()
+    batch, examples, vocab = packed_batch
+    model = tiny_llama(vocab, implementation)
+    calls_before = dict(varlen_probe.CALLS)
+    for packed, alone in logits_of_each_example(model, batch, examples):
+        torch.testing.assert_close(packed, alone, rtol=1e-4, atol=1e-4)
+    if implementation == varlen_probe.NAME:  # the packed batch went through the varlen kernel, once per layer
+        assert varlen_probe.CALLS["flash_attn_varlen_func"] - calls_before["flash_attn_varlen_func"] >= 2
+
+
+def test_probe_reproduces_flash_attention_mixing_examples(packed_batch):
+    """Without explicit boundaries (position ids alone, as before), flash-attention at batch 2 lets every example
+    after the first of a row attend to the examples before it: the probe must show that, or it proves nothing."""
+    varlen_probe.install()
+    batch, examples, vocab = packed_batch
+    model = tiny_llama(vocab, varlen_probe.NAME)
+    pairs = logits_of_each_example(model, batch, examples, use_boundaries=False)
+    assert torch.allclose(*pairs[0], atol=1e-4)  # the first example of a row sees nothing before it
+    assert not torch.allclose(*pairs[1], atol=1e-2)
+
+
+def test_varlen_boundaries_cover_every_example_and_row():
+    position_ids = torch.tensor([[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 0, 1]])
+    kwargs = attention.varlen_kwargs(position_ids)
+    assert kwargs["cu_seq_lens_q"].tolist() == [0, 3, 5, 6, 10, 12] and kwargs["cu_seq_lens_q"].dtype == torch.int32
+    assert kwargs["max_length_q"] == kwargs["max_length_k"] == 4
+
+
+def test_unproven_attention_implementation_is_refused():
+    assert attention.packing_path("") == attention.packing_path("eager") == attention.BLOCK_MASK
+    assert attention.packing_path("flash_attention_2") == attention.VARLEN
+    with pytest.raises(UserError, match="--attn_implementation flex_attention is not known to keep packed"):
+        attention.packing_path("flex_attention")

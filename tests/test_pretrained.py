@@ -1,0 +1,127 @@
+"""Fine-tuning pretrained weights, the path users take: every engine loads the same saved fp32 checkpoint the way it
+loads a Hub model (DeepSpeed ZeRO-3 through `zero.Init`, FSDP2 by rank 0 reading and broadcasting) and trains
+exactly as one process does, and one process trains exactly as a plain PyTorch loop written here does.
+
+The checkpoint's tokenizer holds a pad token outside the model's embedding (as transformers' Qwen2 tokenizer adds
+one), and weight decay is 1.0, so a matrix left out of the decay group moves the curve by percents."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+ENGINES = ["ddp", "zero1", "zero2", "zero3", "fsdp2"]
+STEPS, LR, WARMUP, CLIP, WEIGHT_DECAY, SEQ_LEN, SEED = 4, 2e-3, 2, 0.5, 1.0, 64, 42
+ARGS = ("--max_steps", str(STEPS), "--lr", str(LR), "--warmup_steps", str(WARMUP), "--max_grad_norm", str(CLIP),
+        "--weight_decay", str(WEIGHT_DECAY), "--seq_len", str(SEQ_LEN), "--seed", str(SEED), "--eval_fraction", "0",
+        "--max_new_tokens", "0", "--report_to", "none")
+# The same tolerances as tests/test_zero_math.py (fp32, another reduction order across ranks).
+LOSS_RTOL, WEIGHT_ATOL = 1e-4, 1e-4
+
+
+@pytest.fixture(scope="module")
+def pretrained(session_root, small_model):
+    """A saved fp32 checkpoint (safetensors) of the 3.3M-parameter Llama, random weights, and a tokenizer whose
+    pad token lies outside its embedding."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    path = session_root / "pretrained-llama"
+    if not path.exists():
+        torch.manual_seed(1234)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(small_model), dtype=torch.float32)
+        model.save_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(small_model)
+        tokenizer.add_special_tokens({"pad_token": "<|pad_outside|>"})
+        assert tokenizer.pad_token_id == model.config.vocab_size  # one past the last embedding row
+        tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def fine_tune(runs, pretrained):
+    def get(engine: str):
+        if engine == "single":
+            return runs("pt-single", *ARGS, "--model", pretrained, "--per_device_batch_size", "8", num_processes=1,
+                        mixed_precision="no").check()
+        return runs(f"pt-{engine}", *ARGS, "--model", pretrained, "--per_device_batch_size", "4", config=engine,
+                    num_processes=2, mixed_precision="no").check()
+    return get
+
+
+def losses(run) -> list[float]:
+    return [m["loss"] for m in run.metrics()]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_engine_fine_tunes_pretrained_weights_as_one_process_does(fine_tune, engine):
+    run, reference = fine_tune(engine), fine_tune("single")
+    assert losses(run) == pytest.approx(losses(reference), rel=LOSS_RTOL)
+    weights = load_file(run.output_dir / "final" / "model.safetensors")
+    ref_weights = load_file(reference.output_dir / "final" / "model.safetensors")
+    assert weights.keys() == ref_weights.keys()
+    for name, tensor in weights.items():
+        torch.testing.assert_close(tensor, ref_weights[name], rtol=0, atol=WEIGHT_ATOL, msg=name)
+
+
+@pytest.mark.parametrize("engine", ["single", *ENGINES])
+def test_every_matrix_decays_under_every_engine(fine_tune, pretrained, engine):
+    """The decay group holds every 2-D weight of the checkpoint (counted here from its file), the no-decay group
+    every norm weight: under ZeRO-3's zero.Init too, where a parameter's data is an empty 1-D partition."""
+    checkpoint = load_file(f"{pretrained}/model.safetensors")
+    matrices = [t for t in checkpoint.values() if t.dim() >= 2]
+    vectors = [t for t in checkpoint.values() if t.dim() < 2]
+    groups = fine_tune(engine).summary()["optimizer_param_groups"]
+    assert groups == [
+        {"weight_decay": WEIGHT_DECAY, "tensors": len(matrices), "elements": sum(t.numel() for t in matrices)},
+        {"weight_decay": 0.0, "tensors": len(vectors), "elements": sum(t.numel() for t in vectors)}]
+
+
+def lr_at_step(step: int) -> float:
+    """The README's schedule, written out again: linear warmup, then cosine down to 10% of the peak."""
+    if step <= WARMUP:
+        return LR * step / WARMUP
+    progress = (step - WARMUP) / (STEPS - WARMUP)
+    return LR * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def test_one_process_trains_as_a_plain_pytorch_loop(fine_tune, pretrained):
+    """An independent reference for a bug every engine would share: the recipe's losses and final weights equal a
+    plain loop over the same packed rows (transformers model, torch AdamW, mean token cross-entropy, clipping)."""
+    from types import SimpleNamespace
+
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from zero_utils import data  # only to read the same packed rows, in the same order
+
+    tokenizer = AutoTokenizer.from_pretrained(pretrained)
+    rows, _, _ = data.build_sft_datasets(SimpleNamespace(is_main_process=True, num_processes=1), tokenizer,
+                                         data.BUNDLED_DATASET, SEQ_LEN, 0.0, SEED, vocab_size=len(tokenizer) - 1)
+    model = AutoModelForCausalLM.from_pretrained(pretrained, dtype=torch.float32).train()
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": WEIGHT_DECAY},
+                                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                                  lr=LR, betas=(0.9, 0.95), eps=1e-8)
+    plain_losses = []
+    for step in range(1, STEPS + 1):
+        batch = rows[data.global_batch_indices(len(rows), 8, step, SEED)]
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at_step(step)
+        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+        loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        optimizer.step()
+        optimizer.zero_grad()
+        plain_losses.append(loss.item())
+    recipe = fine_tune("single")
+    assert losses(recipe) == pytest.approx(plain_losses, rel=1e-5)
+    exported = load_file(recipe.output_dir / "final" / "model.safetensors")
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(exported[name], param.detach(), rtol=0, atol=1e-5, msg=name)
+
