@@ -284,15 +284,18 @@ def main(cfg: Settings) -> None:
     state_dict = accelerator.get_state_dict(model)
     accelerator.unwrap_model(model).save_pretrained(f"{cfg.output_dir}/final", state_dict=state_dict,
                                                     is_main_process=accelerator.is_main_process)
-    if accelerator.is_main_process:
+
+    def save_tokenizer_and_merge():  # [LoRA] on the main process alone: no DeepSpeed zero.Init (a collective) here
         tokenizer.save_pretrained(f"{cfg.output_dir}/final")
-        if cfg.merge:  # on the main process alone: no DeepSpeed zero.Init (a collective) while building it
+        if cfg.merge:
             with zero3_init_disabled(accelerator):
                 merged = get_peft_model(load_causal_lm(cfg.model), lora_config)
             merged.load_state_dict(state_dict)
             merged.merge_and_unload().save_pretrained(f"{cfg.output_dir}/final/merged")
             tokenizer.save_pretrained(f"{cfg.output_dir}/final/merged")
-    accelerator.wait_for_everyone()
+
+    # The other ranks wait outside any collective: a long merge is not cut off by --collective_timeout_s.
+    runtime.run_on_main_process(accelerator, save_tokenizer_and_merge)
     # Every rank takes part in these forward passes: the model is sharded.
     probe_logits = generate.last_position_logits(model, tokenizer, cfg.prompt, device)
     if accelerator.is_main_process:

@@ -277,8 +277,9 @@ def main(cfg: Settings) -> None:
     if start_step < cfg.max_steps:
         save_checkpoint(cfg.max_steps)
         final_checkpoint = checkpoint.list_complete(cfg.output_dir)[-1][1]
-    if accelerator.is_main_process:  # streams the checkpoint's shards into safetensors: no full gather anywhere
-        checkpoint.export(final_checkpoint, f"{cfg.output_dir}/final")
+    # Rank 0 streams the checkpoint's shards into safetensors (no full gather anywhere); the others wait for it
+    # outside any collective, so a long export is not cut off by --collective_timeout_s.
+    runtime.run_on_main_process(accelerator, lambda: checkpoint.export(final_checkpoint, f"{cfg.output_dir}/final"))
     # Every rank takes part in these forward passes: the model is sharded.
     probe_logits = generate.last_position_logits(model, tokenizer, cfg.prompt, device)
     if accelerator.is_main_process:

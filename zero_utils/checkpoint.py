@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from zero_utils import runtime
 from zero_utils.errors import UserError
 
 META_FILE = "zero_recipes.json"
@@ -264,7 +265,10 @@ def prepare_deepspeed_resume(accelerator, path: Path, meta: dict) -> None:
     if not needs_universal(meta, accelerator.num_processes):
         return
     target = Path(path) / UNIVERSAL_DIR
-    if accelerator.is_main_process and not (target / DEEPSPEED_TAG).is_dir():
+
+    def convert():
+        if (target / DEEPSPEED_TAG).is_dir():
+            return
         tmp = Path(path) / f".tmp_{UNIVERSAL_DIR}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
@@ -275,7 +279,9 @@ def prepare_deepspeed_resume(accelerator, path: Path, meta: dict) -> None:
         if result.returncode != 0:
             raise RuntimeError(f"ds_to_universal failed:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
         tmp.rename(target)
-    accelerator.wait_for_everyone()
+
+    # The main process converts (minutes for a big model); the others wait outside the collective timeout.
+    runtime.run_on_main_process(accelerator, convert)
     accelerator.state.deepspeed_plugin.deepspeed_config["checkpoint"] = {"load_universal": True}
 
 

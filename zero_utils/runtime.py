@@ -352,25 +352,63 @@ def max_over_ranks(accelerator, values: dict[str, int]) -> dict[str, int]:
     return {k: int(v) for k, v in zip(keys, reduced.tolist(), strict=True)}
 
 
-def main_process_first(accelerator, work):
-    """Run `work()` on the main process, then on the others (which then find its results in caches), and
-    return its result on every rank.
+_main_process_works = [0]  # calls of run_on_main_process so far: the same count on every rank
 
-    Unlike accelerate's `main_process_first` context, a `UserError` raised on the main process reaches every
-    rank (all raise it with the same sentence) instead of leaving the others waiting at a barrier forever.
+
+def run_on_main_process(accelerator, work, *, poll_s: float = 1.0):
+    """Run `work()` on the main process alone while every other rank waits for it, for as long as it takes.
+
+    Host-side work of one rank (data preparation: hours for a big corpus; the final export; a LoRA merge) must not
+    be bounded by the collective timeout (`--collective_timeout_s`): a rank waiting in a barrier or broadcast for
+    longer fails the job. The others therefore wait outside any collective, polling a key in the process group's
+    key-value store (the rendezvous TCPStore) every `poll_s` seconds at most. An exception on the main process
+    reaches every rank: a `UserError` with the same sentence, anything else as a `RuntimeError` naming it (the
+    main process re-raises the original). If the main process dies instead, the launcher ends every rank.
+    Returns `work()`'s result on the main process and None on the others. Every rank must call it. Engines: all.
     """
-    from accelerate.utils import broadcast_object_list
+    import json
+    import time
 
-    error, result = None, None
+    import torch.distributed as dist
+
+    if accelerator.num_processes == 1 or not dist.is_initialized():
+        return work()
+    _main_process_works[0] += 1
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    key = f"zero_recipes/main_process_work/{attempt}/{_main_process_works[0]}"
+    store = dist.distributed_c10d._get_default_store()
     if accelerator.is_main_process:
         try:
             result = work()
         except UserError as exc:
-            error = str(exc)
-    if accelerator.num_processes > 1:
-        error = broadcast_object_list([error], from_process=0)[0]
-    if error is not None:
-        raise UserError(error)
+            store.set(key, json.dumps({"user_error": str(exc)}))
+            raise
+        except BaseException as exc:
+            store.set(key, json.dumps({"failed": f"{type(exc).__name__}: {exc}"}))
+            raise
+        store.set(key, json.dumps({}))
+        return result
+    wait_s = 0.01
+    while not store.check([key]):
+        time.sleep(wait_s)
+        wait_s = min(2 * wait_s, poll_s)
+    outcome = json.loads(store.get(key))
+    if "user_error" in outcome:
+        raise UserError(outcome["user_error"])
+    if "failed" in outcome:
+        raise RuntimeError(f"the main process failed in work the other ranks waited for: {outcome['failed']}")
+    return None
+
+
+def main_process_first(accelerator, work):
+    """Run `work()` on the main process, then on the others (which then find its results in caches), and
+    return its result on every rank.
+
+    The others wait for the main process with `run_on_main_process`, so a preparation of hours is not cut off
+    by the collective timeout, and a `UserError` raised on the main process reaches every rank (all raise it with
+    the same sentence) instead of leaving the others waiting forever.
+    """
+    result = run_on_main_process(accelerator, work)
     if not accelerator.is_main_process:
         result = work()
     return result
