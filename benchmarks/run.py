@@ -228,8 +228,7 @@ results["zero3_default_buckets"] = {
                                          for a, b in zip(default_buckets, trainer_zero3, strict=True)]),
     "over_recipe_tokens_per_s": spread([a["tokens_per_s"] / b["tokens_per_s"]
                                         for a, b in zip(default_buckets, runs[("zero3", 2)], strict=True)]),
-    "peak_mem_bytes": spread([r["peak_mem_bytes"] for r in default_buckets]),
-    "engine_buffer_bytes": default_buckets[0]["model_state_breakdown_bytes"]["engine_buffers"]}
+    "peak_mem_bytes": spread([r["peak_mem_bytes"] for r in default_buckets])}
 
 results["sharding_cost"] = []
 for world in world_sizes:

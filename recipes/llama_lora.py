@@ -206,6 +206,7 @@ def main(cfg: Settings) -> None:
     model_config = accelerator.unwrap_model(model).config
     pending_save = None  # an async checkpoint still being written
     model.train()
+    memory.reset_peak_memory(device)  # [GPU] peaks from here on are training's, not loading's
     step_times, tokens_per_s, last, model_state_max, bad_steps = [], [], {}, {}, 0
     activation_bytes = {}  # bytes autograd saved for backward in the first micro-batch (with and without recompute)
     progress = tqdm(range(start_step + 1, cfg.max_steps + 1), initial=start_step, total=cfg.max_steps,
@@ -253,9 +254,8 @@ def main(cfg: Settings) -> None:
         tokens_per_s.append(tokens_per_step / step_times[-1])
         last = {"step": step, "loss": step_loss, "lr": lr, "grad_norm": _to_float(grad_norm),
                 "tokens_per_s": tokens_per_s[-1],
-                "peak_mem_bytes": runtime.max_over_ranks(accelerator, {"p": memory.peak_memory_bytes(device)})["p"],
-                "model_state_bytes": model_state_max["total"], "model_state_bytes_expected": expected_state_bytes,
-                "engine_buffer_bytes": model_state_max["engine_buffers"]}
+                **runtime.max_over_ranks(accelerator, memory.peak_memory(device)),  # since set-up ended (GPU)
+                "model_state_bytes": model_state_max["total"], "model_state_bytes_expected": expected_state_bytes}
         if eval_rows is not None and ((cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps):
             last["eval_loss"] = evaluate()
         tracker.log_step(last)
@@ -308,7 +308,8 @@ def main(cfg: Settings) -> None:
         "perplexity": math.exp(eval_loss) if eval_loss is not None else None,
         "tokens_per_s": statistics.median(tokens_per_s) if tokens_per_s else None,
         "step_time_s": statistics.median(step_times) if step_times else None,
-        "peak_mem_bytes": last.get("peak_mem_bytes"), "model_state_bytes": model_state_max.get("total"),
+        "peak_mem_bytes": last.get("peak_mem_bytes"), "peak_reserved_bytes": last.get("peak_reserved_bytes"),
+        "peak_mem_measured": memory.peak_memory_measured(device), "model_state_bytes": model_state_max.get("total"),
         "saved_activation_bytes": activation_bytes.get("saved"),
         "model_state_bytes_expected": expected_state_bytes, "model_state_breakdown_bytes": model_state_max or None,
         "num_params": num_params, "frozen_params": frozen_params, "global_batch_rows": global_batch,

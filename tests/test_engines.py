@@ -42,6 +42,7 @@ def test_config_trains_and_names_its_engine(smoke, config):
     summary = run.summary()
     assert summary["engine"] == config and summary["world_size"] == 2 and summary["mixed_precision"] == "bf16"
     assert summary["steps"] == STEPS and math.isfinite(summary["final_loss"])
+    assert summary["peak_mem_measured"].startswith("process RSS") and summary["peak_reserved_bytes"] is None  # CPU
     assert f"engine {config} | 2 process(es)" in run.output
 
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import REPO
 
 from zero_utils import memory
@@ -322,3 +323,22 @@ def test_deepspeed_buckets_follow_the_hidden_size_with_a_floor_and_keep_a_users_
     psi = arch.num_params
     assert memory.transient_bytes("zero3", arch, dtype="fp32") == 4 * (psi + min(floor, psi) + min(floor, psi)
                                                                        + arch.persistent_params)
+
+
+def test_gpu_peaks_are_allocated_and_reserved_since_the_reset(monkeypatch):
+    """On a GPU the recipe reads both caching-allocator peaks (reserved is what nvidia-smi shows, less the CUDA
+    context) after resetting them once set-up is done: checked here on what torch.cuda receives (no GPU in CI)."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: calls.append(("reset", device)))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated",
+                        lambda device=None: calls.append(("allocated", device)) or 3 * 2**30)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved",
+                        lambda device=None: calls.append(("reserved", device)) or 4 * 2**30)
+    cuda = torch.device("cuda", 1)
+    memory.reset_peak_memory(cuda)
+    assert memory.peak_memory(cuda) == {"peak_mem_bytes": 3 * 2**30, "peak_reserved_bytes": 4 * 2**30}
+    assert calls == [("reset", cuda), ("allocated", cuda), ("reserved", cuda)]
+    assert "max_memory_reserved" in memory.peak_memory_measured(cuda)
+    cpu = torch.device("cpu")
+    memory.reset_peak_memory(cpu)  # nothing to reset: the RSS high-water mark of the process
+    assert list(memory.peak_memory(cpu)) == ["peak_mem_bytes"] and "RSS" in memory.peak_memory_measured(cpu)

@@ -281,13 +281,13 @@ def measure_model_state_bytes(model: torch.nn.Module, optimizer) -> dict:
 
     Counts each storage once (views into DeepSpeed's flat buffers or DDP's gradient buckets are not counted
     twice). Covers DTensor local shards (FSDP2), DeepSpeed partitions and fp32 master copies, and the optimizer's
-    state tensors. Returns {'params', 'grads', 'optimizer', 'total'} in bytes, plus 'engine_buffers': tensors
-    the DeepSpeed optimizer holds beyond model states (reduce/gather buckets), not part of 'total'. DDP's reducer
-    buckets live in C++ and cannot be walked; with `gradient_as_bucket_view=True` (zero_utils.runtime) they are
-    the gradients themselves. Engines: all.
+    state tensors. Returns {'params', 'grads', 'optimizer', 'total'} in bytes. Communication buckets (DDP's
+    reducer, DeepSpeed's reduce and prefetch buckets) are not model states and are not counted; they show in the
+    peak memory (`peak_memory`). DDP's live in C++; with `gradient_as_bucket_view=True` (zero_utils.runtime) they
+    are the gradients themselves. Engines: all.
     """
     seen: set[int] = set()
-    counts = {"params": 0, "grads": 0, "optimizer": 0, "engine_buffers": 0}
+    counts = {"params": 0, "grads": 0, "optimizer": 0}
 
     def add(kind: str, t) -> None:
         if not isinstance(t, torch.Tensor) or t.device.type == "meta":
@@ -322,30 +322,41 @@ def measure_model_state_bytes(model: torch.nn.Module, optimizer) -> dict:
     for state in getattr(base, "state", {}).values():
         for t in state.values():
             add("optimizer", t)
-    if deepspeed_opt is not None:
-        for t in _tensors_in(vars(deepspeed_opt)):
-            add("engine_buffers", t)
     counts["total"] = counts["params"] + counts["grads"] + counts["optimizer"]
     return counts
 
 
-def _tensors_in(obj, depth: int = 3):
-    """Tensors reachable from `obj` through dicts, lists and tuples (not through other objects)."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif depth > 0 and isinstance(obj, dict):
-        for value in obj.values():
-            yield from _tensors_in(value, depth - 1)
-    elif depth > 0 and isinstance(obj, (list, tuple)):
-        for value in obj:
-            yield from _tensors_in(value, depth - 1)
-
-
 def peak_memory_bytes(device: torch.device) -> int:
-    """Peak memory of this process: the CUDA caching allocator's peak on GPU, the RSS high-water mark on CPU."""
+    """Peak memory of this process: the CUDA caching allocator's allocated peak on GPU (since the last
+    `reset_peak_memory`), the RSS high-water mark on CPU (since the process started)."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start the peaks of `peak_memory` afresh, e.g. once set-up (loading, sharding, prepare) is done, so they show
+    training alone. CUDA only: the CPU figure is the process's RSS high-water mark, which is not reset."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory(device: torch.device) -> dict[str, int]:
+    """This process's memory peaks, in bytes. CUDA: {"peak_mem_bytes": most bytes allocated in tensors,
+    "peak_reserved_bytes": most bytes the caching allocator held (nvidia-smi shows this plus the CUDA context)},
+    since the last `reset_peak_memory`. CPU: {"peak_mem_bytes": the RSS high-water mark}. Engines: all."""
+    if device.type == "cuda":
+        return {"peak_mem_bytes": int(torch.cuda.max_memory_allocated(device)),
+                "peak_reserved_bytes": int(torch.cuda.max_memory_reserved(device))}
+    return {"peak_mem_bytes": peak_memory_bytes(device)}
+
+
+def peak_memory_measured(device: torch.device) -> str:
+    """What `peak_memory` measured on `device`, in words, for summary.json."""
+    if device.type == "cuda":
+        return ("CUDA caching allocator per rank since training began (after set-up): peak_mem_bytes = "
+                "max_memory_allocated, peak_reserved_bytes = max_memory_reserved (nvidia-smi adds the CUDA context)")
+    return "process RSS high-water mark per rank (CPU: includes set-up and host libraries)"
 
 
 @contextlib.contextmanager
