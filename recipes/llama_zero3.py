@@ -40,7 +40,14 @@ from tqdm.auto import tqdm
 from zero_utils import attention, checkpoint, data, errors, generate, memory, runtime, tracking, wrapping
 from zero_utils.cli import flag, run_recipe
 from zero_utils.errors import UserError
-from zero_utils.model import BUNDLED_MODEL, count_parameters, load_causal_lm, load_config, load_tokenizer
+from zero_utils.model import (
+    BUNDLED_MODEL,
+    count_parameters,
+    load_causal_lm,
+    load_config,
+    load_tokenizer,
+    restore_fp32_master_weights,
+)
 from zero_utils.optim import build_adamw, describe_param_groups, lr_at, set_lr
 
 
@@ -144,6 +151,8 @@ def main(cfg: Settings) -> None:
         engine, num_params, world, accelerator.mixed_precision, param_groups=memory.param_group_shapes(optimizer),
         shard_group_size=runtime.shard_group_size(accelerator))
     model, optimizer = accelerator.prepare(model, optimizer)
+    if engine.startswith("zero") and accelerator.mixed_precision != "no":
+        restore_fp32_master_weights(model, cfg.model)  # [DeepSpeed] the master from the checkpoint, not its bf16 cast
     # Model-state bytes: measured once, right after the inner optimizer's first step (gradients still held), the
     # same moment under every engine, even under DeepSpeed where `accelerator.backward` runs the step itself.
     model_state = {}

@@ -125,3 +125,17 @@ def test_one_process_trains_as_a_plain_pytorch_loop(fine_tune, pretrained):
     for name, param in model.named_parameters():
         torch.testing.assert_close(exported[name], param.detach(), rtol=0, atol=1e-5, msg=name)
 
+
+
+@pytest.mark.parametrize("engine", ["zero2", "zero3"])
+def test_deepspeed_bf16_starts_from_the_checkpoints_fp32_weights(runs, pretrained, engine):
+    """In bf16 DeepSpeed builds its fp32 master from the weights cast to bf16 (ZeRO-3 under zero.Init already at
+    load time); the recipe sets it from the checkpoint's fp32 weights, as FSDP2 and DDP keep them. With lr 0 the
+    exported master after one step must be the checkpoint bit for bit (bf16-rounded it is ~1e-3 off)."""
+    run = runs(f"pt-bf16-lr0-{engine}", *ARGS, "--model", pretrained, "--per_device_batch_size", "4", "--lr", "0",
+               "--max_steps", "1", "--warmup_steps", "0", config=engine, num_processes=2,
+               mixed_precision="bf16").check()
+    assert run.summary()["mixed_precision"] == "bf16"
+    exported = load_file(run.output_dir / "final" / "model.safetensors")
+    for name, tensor in load_file(f"{pretrained}/model.safetensors").items():
+        assert torch.equal(exported[name], tensor), name
