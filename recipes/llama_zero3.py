@@ -16,7 +16,8 @@ Features, the flag that controls each, and its cost:
                 per-example position ids; --attn_implementation sdpa/eager keep examples apart with block
                 masks, flash_attention_2/3/4 with varlen offsets (others refused); loss only on answer tokens
     batch       --per_device_batch_size x --gradient_accumulation_steps x processes = global batch; the loss
-                is the mean over the global batch's answer tokens, so the engine never changes the maths
+                is the mean over the global batch's answer tokens, so in fp32 the engine never changes the maths
+                (in bf16 each engine rounds its own way: docs/PRECISION.md)
     optimizer   AdamW (--lr, --weight_decay), warmup (--warmup_steps) then --lr_schedule, --max_grad_norm
     eval        --eval_fraction held out (or the dataset's validation split), every --eval_every steps
     checkpoint  --save_every steps, --keep_last, --resume auto|PATH, --overwrite (one save: model + optimizer)
