@@ -135,3 +135,20 @@ def test_bf16_model_state_bytes_match_the_formula(smoke, config):
     assert summary["mixed_precision"] == "bf16"
     assert summary["model_state_bytes"] / summary["num_params"] == pytest.approx(BF16_BYTES_PER_PARAM[row](2), rel=0.01)
     assert summary["model_state_bytes"] == pytest.approx(summary["model_state_bytes_expected"], rel=0.01)
+
+
+OFFLOAD_SWITCHES = {"ddp": {}, "zero1": {"optimizer": False}, "zero2": {"optimizer": False},
+                    "zero3": {"optimizer": False, "params": False},
+                    "zero3_offload": {"optimizer": True, "params": True},
+                    "fsdp2": {"params": False}, "fsdp2_zero2": {"params": False}, "fsdp2_offload": {"params": True}}
+
+
+@pytest.mark.parametrize("config", ENGINE_CONFIGS)
+def test_offload_reaches_the_engine_and_states_are_where_it_puts_them(smoke, config):
+    """The offload YAMLs switch the engine's own offload on (FSDP2's CPUOffloadPolicy on every sharded group,
+    DeepSpeed's optimizer and parameter offload), the others leave it off; every parameter shard and optimizer
+    state is on the host here (the only device: on a GPU the non-offload configs show cuda instead)."""
+    for evidence in smoke(config).summary()["sharding_per_rank"]:
+        placement = evidence["placement"]
+        assert placement["offload"] == OFFLOAD_SWITCHES[config]
+        assert placement["param_devices"] == ["cpu"] and placement["optimizer_devices"] == ["cpu"]

@@ -341,7 +341,43 @@ def sharding_evidence(model, optimizer) -> dict:
             name = type(m).__name__.removeprefix("FSDP")
             units[name] = units.get(name, 0) + 1
     return {"model_class": type(model).__name__, "optimizer_class": type(inner).__name__, "zero_stage": stage,
-            "local_param_fraction": local / max(total, 1), "fsdp_units": units}
+            "local_param_fraction": local / max(total, 1), "fsdp_units": units,
+            "placement": placement_evidence(model, optimizer)}
+
+
+def placement_evidence(model, optimizer) -> dict:
+    """Where this rank's model states live and what offload the engine was given: {"param_devices": device types
+    of the local parameter shards (FSDP2) or partitions (ZeRO-3), "optimizer_devices": device types of the fp32
+    master partitions (DeepSpeed) and of the optimizer's moments, "offload": the engine's own switches: FSDP2
+    `CPUOffloadPolicy` on the sharded parameter groups ("params"), DeepSpeed's `offload_optimizer` /
+    `offload_param` (ZeRO-1/2: `cpu_offload`)}. On a GPU the devices show the offload (cpu, not cuda); on a CPU host
+    every device is cpu and the switches show the wiring. Engines: all."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    module = getattr(model, "module", model)
+    param_devices = {(p.ds_tensor if hasattr(p, "ds_tensor") else p.to_local() if isinstance(p, DTensor) else p)
+                     .device.type for p in module.parameters()}
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper -> torch or DeepSpeed's optimizer
+    optimizer_tensors = []
+    for name in ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups"):  # [DeepSpeed] fp32 master
+        optimizer_tensors += list(getattr(inner, name, None) or [])
+    base = getattr(inner, "optimizer", inner) if optimizer_tensors else inner
+    for state in getattr(base, "state", {}).values():
+        optimizer_tensors += [t for t in state.values() if isinstance(t, torch.Tensor) and t.dim() > 0]
+    offload = {}
+    groups = [getattr(m._get_fsdp_state(), "_fsdp_param_group", None) for m in module.modules()
+              if isinstance(m, FSDPModule)]  # [FSDP2] torch 2.13 keeps the policy on each parameter group
+    groups = [g for g in groups if g is not None]
+    if groups:
+        offload["params"] = all(isinstance(g.offload_policy, CPUOffloadPolicy) for g in groups)
+    for key, attribute in (("optimizer", "offload_optimizer"), ("params", "offload_param"),
+                           ("optimizer", "cpu_offload")):  # [DeepSpeed] ZeRO-3, ZeRO-3, ZeRO-1/2
+        if hasattr(inner, attribute):
+            offload[key] = offload.get(key, False) or bool(getattr(inner, attribute))
+    return {"param_devices": sorted(param_devices), "optimizer_devices": sorted({t.device.type for t in
+                                                                                 optimizer_tensors}),
+            "offload": offload}
 
 
 def max_over_ranks(accelerator, values: dict[str, int]) -> dict[str, int]:
