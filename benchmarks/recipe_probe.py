@@ -7,9 +7,9 @@ flags pass through untouched). benchmarks/run.py launches it in place of the rec
         --num_processes 2 benchmarks/recipe_probe.py ...
 
 BENCH_COMMS_STEP=S  counts every c10d collective of optimizer step S with torch.profiler: with record_shapes=True
-                    each ProcessGroup call (gloo too, DDP's C++ reducer included) leaves a `record_param_comms`
-                    event with its collective name, message sizes in elements and dtype. Every rank writes its own
-                    list to BENCH_COMMS_FILE.rank<R>. The step runs from the recipe's call to
+                    each ProcessGroup call (gloo or NCCL, DDP's C++ reducer included) leaves an event with its
+                    collective name, message sizes in elements and dtype (`count_collectives`). Every rank writes
+                    its own list to BENCH_COMMS_FILE.rank<R>. The step runs from the recipe's call to
                     `data.global_batch_indices(step=S)` to its call for step S+1, so it includes the recipe's small
                     scalar all-reduces (token count, loss, grad norm, metrics maxima).
 BENCH_DEEPSPEED_DEFAULT_BUCKETS=1  leaves DeepSpeed's bucket sizes at its own defaults (what the Trainer gets from
@@ -55,33 +55,56 @@ def count_comms_of_step(step_to_count: int, path: str) -> None:
         return original(num_rows, global_batch_size, step, seed)
 
     def write(prof):
-        # Gloo has no reduce-scatter of its own: c10d runs `_reduce_scatter_base_` as an all-reduce of the whole
-        # input, so the backend events (`gloo:all_reduce`) include it. Count each collective as the engine asked
-        # for it: reduce-scatters and all-gathers from the dispatcher ops (c10d::..., input shapes [out, in]);
-        # all-reduces and broadcasts, whose dispatcher ops take tensor lists without recorded shapes, from the
-        # backend events, less the reduce-scatter inputs.
-        nelems = {"all_reduce": 0, "all_gather": 0, "reduce_scatter": 0, "reduce": 0, "broadcast": 0}
-        calls, dtypes, world = {}, set(), dist.get_world_size()
-        for event in prof.events():
-            if not event.name.startswith(("c10d::", "gloo:")):
-                continue
-            calls[event.name] = calls.get(event.name, 0) + 1
-            sizes = [math.prod(shape) for shape in event.input_shapes if shape]
-            if event.name.startswith("gloo:"):
-                dtypes |= {d for d in (event.input_dtypes or []) if d}
-            if event.name == "gloo:all_reduce":
-                nelems["all_reduce"] += sum(sizes)
-            elif event.name in ("gloo:broadcast", "gloo:reduce"):
-                nelems[event.name.removeprefix("gloo:")] += sum(sizes)
-            elif event.name == "gloo:all_gather":  # input = this rank's shard; the gathered tensor is world x it
-                nelems["all_gather"] += sum(sizes) * world
-            elif event.name == "c10d::_reduce_scatter_base_":  # shapes [output shard, full input]
-                nelems["reduce_scatter"] += sizes[1]
-                nelems["all_reduce"] -= sizes[1]
-        Path(f"{path}.rank{dist.get_rank()}").write_text(json.dumps(
-            {"nelems": nelems, "calls": calls, "dtypes": sorted(dtypes), "world_size": world}))
+        counted = count_collectives(prof.events(), dist.get_world_size())
+        Path(f"{path}.rank{dist.get_rank()}").write_text(json.dumps(counted))
 
     zero_utils.data.global_batch_indices = global_batch_indices
+
+
+# NCCL's profiling titles (torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp); each event records its inputs only.
+_NCCL_EVENTS = {"nccl:all_reduce": "all_reduce", "nccl:all_reduce_coalesced": "all_reduce",
+                "nccl:broadcast": "broadcast", "nccl:reduce": "reduce",
+                "nccl:all_gather": "all_gather", "nccl:_all_gather_base": "all_gather",
+                "nccl:all_gather_into_tensor_coalesced": "all_gather",
+                "nccl:reduce_scatter": "reduce_scatter", "nccl:_reduce_scatter_base": "reduce_scatter",
+                "nccl:reduce_scatter_tensor_coalesced": "reduce_scatter"}
+
+
+def count_collectives(events, world: int) -> dict:
+    """Elements each collective kind moved in a profiled step, from torch.profiler events (`name`,
+    `input_shapes`, `input_dtypes`), over gloo (CPU) or NCCL (GPU). Returns {"nelems": {kind: elements},
+    "calls": {event name: count}, "dtypes", "world_size", "backend"}. All-gathers count the gathered tensor
+    (world x the rank's input), reduce-scatters the full input.
+
+    Gloo has no reduce-scatter of its own: c10d runs `_reduce_scatter_base_` as an all-reduce of the whole input,
+    so the backend events (`gloo:all_reduce`) include it. There each collective is counted as the engine asked
+    for it: reduce-scatters and all-gathers from the dispatcher ops (c10d::..., input shapes [out, in]),
+    all-reduces and broadcasts, whose dispatcher ops take tensor lists without recorded shapes, from the backend
+    events, less the reduce-scatter inputs. NCCL runs every collective natively: its backend events alone count.
+    """
+    nelems = {"all_reduce": 0, "all_gather": 0, "reduce_scatter": 0, "reduce": 0, "broadcast": 0}
+    events = [e for e in events if e.name.startswith(("c10d::", "gloo:", "nccl:"))]
+    backend = "nccl" if any(e.name.startswith("nccl:") for e in events) else "gloo"
+    calls, dtypes = {}, set()
+    for event in events:
+        calls[event.name] = calls.get(event.name, 0) + 1
+        sizes = [math.prod(shape) for shape in event.input_shapes if shape]
+        if event.name.startswith(("gloo:", "nccl:")):
+            dtypes |= {d for d in (event.input_dtypes or []) if d}
+        if backend == "nccl":
+            kind = _NCCL_EVENTS.get(event.name)
+            if kind is not None:
+                nelems[kind] += sum(sizes) * (world if kind == "all_gather" else 1)
+        elif event.name == "gloo:all_reduce":
+            nelems["all_reduce"] += sum(sizes)
+        elif event.name in ("gloo:broadcast", "gloo:reduce"):
+            nelems[event.name.removeprefix("gloo:")] += sum(sizes)
+        elif event.name == "gloo:all_gather":  # input = this rank's shard; the gathered tensor is world x it
+            nelems["all_gather"] += sum(sizes) * world
+        elif event.name == "c10d::_reduce_scatter_base_":  # shapes [output shard, full input]
+            nelems["reduce_scatter"] += sizes[1]
+            nelems["all_reduce"] -= sizes[1]
+    return {"nelems": nelems, "calls": calls, "dtypes": sorted(dtypes), "world_size": world, "backend": backend}
 
 
 def override_deepspeed_zero(settings: dict) -> None:

@@ -84,3 +84,28 @@ def test_gpu_script_logic_on_cpu(tmp_path):
     assert [v["variant"] for v in report["variants"]] == ["eager", "eager+ac"]
     assert all(v["tokens_per_s"] > 0 and 0 < v["mfu"] < 1 for v in report["variants"])
     assert report["flops_per_token"] == 6 * report["matmul_params"] + 12 * 2 * 64 * 64
+
+
+@pytest.mark.unit
+def test_communication_counter_reads_nccl_as_well_as_gloo():
+    """The same FSDP2-like step (one all-gather of a 10-element shard, one reduce-scatter of 20 elements, one
+    scalar all-reduce at 2 ranks) as each backend's profiler events name it: NCCL's titles come from
+    ProcessGroupNCCL.cpp, gloo's reduce-scatter runs as an all-reduce of the whole input."""
+    from types import SimpleNamespace as Event
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from recipe_probe import count_collectives
+
+    gloo = [Event(name="gloo:all_gather", input_shapes=[[10]], input_dtypes=["BFloat16"]),
+            Event(name="c10d::_reduce_scatter_base_", input_shapes=[[10], [20]], input_dtypes=[]),
+            Event(name="gloo:all_reduce", input_shapes=[[20]], input_dtypes=["Float"]),
+            Event(name="gloo:all_reduce", input_shapes=[[1]], input_dtypes=["Float"])]
+    nccl = [Event(name="c10d::_allgather_base_", input_shapes=[[20], [10]], input_dtypes=[]),
+            Event(name="nccl:_all_gather_base", input_shapes=[[10]], input_dtypes=["BFloat16"]),
+            Event(name="c10d::_reduce_scatter_base_", input_shapes=[[10], [20]], input_dtypes=[]),
+            Event(name="nccl:_reduce_scatter_base", input_shapes=[[20]], input_dtypes=["Float"]),
+            Event(name="nccl:all_reduce", input_shapes=[[1]], input_dtypes=["Float"])]
+    expected = {"all_reduce": 1, "all_gather": 20, "reduce_scatter": 20, "reduce": 0, "broadcast": 0}
+    for events, backend in ((gloo, "gloo"), (nccl, "nccl")):
+        counted = count_collectives(events, world=2)
+        assert counted["backend"] == backend and counted["nelems"] == expected, backend
