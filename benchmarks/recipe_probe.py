@@ -17,6 +17,8 @@ BENCH_DEEPSPEED_DEFAULT_BUCKETS=1  leaves DeepSpeed's bucket sizes at its own de
 BENCH_DEEPSPEED_ZERO='{"key": value, ...}'  overrides DeepSpeed `zero_optimization` settings after the runtime has
                     sized its buckets (one setting at a time, for ablations): e.g. '{"reduce_bucket_size": 65536,
                     "stage3_prefetch_bucket_size": 58982}' is accelerate's plain "auto" at hidden 256.
+BENCH_COMPILE_BLOCKS=1  compiles every decoder block in place (`nn.Module.compile`, parameter names unchanged)
+                    before sharding, as torchtitan compiles per block (benchmarks/gpu.py's compiled variant).
 BENCH_ACCELERATE_FSDP2_PREP=1  skips zero_utils.wrapping.shard_model: accelerate's `prepare` then applies
                     `fully_shard` itself (TRANSFORMER_BASED_WRAP on the decoder-block class, then the root, all
                     with the YAML's reshard_after_forward), which is what users get without our wrapping choices.
@@ -129,6 +131,20 @@ def accelerate_fsdp2_prep() -> None:
     zero_utils.wrapping.shard_model = shard_model
 
 
+def compile_blocks() -> None:
+    """Compile each decoder block before the engine wraps it (FSDP2 sharding, or DeepSpeed's prepare)."""
+    shard_model = zero_utils.wrapping.shard_model
+
+    def compiled_then_sharded(model, accelerator, *args, **kwargs):
+        block_classes = tuple(zero_utils.wrapping.find_block_classes(model))
+        for module in model.modules():
+            if isinstance(module, block_classes):
+                module.compile()
+        return shard_model(model, accelerator, *args, **kwargs)
+
+    zero_utils.wrapping.shard_model = compiled_then_sharded
+
+
 if __name__ == "__main__":
     if os.environ.get("BENCH_COMMS_STEP"):
         count_comms_of_step(int(os.environ["BENCH_COMMS_STEP"]), os.environ["BENCH_COMMS_FILE"])
@@ -136,6 +152,8 @@ if __name__ == "__main__":
         zero_utils.runtime._DEEPSPEED_AUTO_BUCKETS.clear()
     if os.environ.get("BENCH_DEEPSPEED_ZERO"):
         override_deepspeed_zero(json.loads(os.environ["BENCH_DEEPSPEED_ZERO"]))
+    if os.environ.get("BENCH_COMPILE_BLOCKS") == "1":
+        compile_blocks()
     if os.environ.get("BENCH_ACCELERATE_FSDP2_PREP") == "1":
         accelerate_fsdp2_prep()
     spec = importlib.util.spec_from_file_location("llama_zero3", RECIPE)
