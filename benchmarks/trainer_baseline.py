@@ -4,10 +4,11 @@ what users would pick instead of recipes/llama_zero3.py. benchmarks/run.py launc
     accelerate launch --config_file accelerate_configs/fsdp2.yaml --num_processes 2 --mixed_precision no \
         benchmarks/trainer_baseline.py --model DIR --output_dir D --max_steps 10 --per_device_batch_size 4 --seq_len 256
 
-On a machine without CUDA the Trainer's own Accelerator falls back to one process per rank, unsharded (DESIGN.md
-section 4). So the accelerate state is built first by zero_utils.runtime.build_accelerator (gloo, the engine the
-launch named) and the Trainer is told to reuse it (`accelerator_config={"use_configured_state": True}`); after
-training this script records how much of the model each rank holds, so a run that did not shard is caught.
+On a machine without CUDA the Trainer's own Accelerator falls back to one process per rank, unsharded
+(docs/ARCHITECTURE.md). So the accelerate state is built first by zero_utils.runtime.build_accelerator (gloo, the
+engine the launch named) and the Trainer is told to reuse it (`accelerator_config={"use_configured_state":
+True}`); after training this script records how much of the model each rank holds, so a run that did not shard
+is caught.
 Writes D/trainer.json: median tokens_per_s (global, steps after --untimed_steps), peak_mem_bytes (max over ranks:
 process RSS high-water on CPU, allocator peak on GPU), local_param_fraction per rank, engine.
 """

@@ -22,7 +22,8 @@ Features, the flag that controls each, and its cost:
     eval        --eval_fraction held out (or the dataset's validation split), every --eval_every steps
     checkpoint  --save_every steps, --keep_last, --resume auto|PATH, --overwrite (one save: model + optimizer)
     FSDP2       block-by-block wrapping; --fsdp_reshard_last_block, --fsdp_embedding_group, --fsdp_prefetch_blocks
-                (torchtitan's choices by default); pretrained weights are read by rank 0 only and broadcast
+                (default: last block kept gathered for backward); pretrained weights are read by rank 0 only
+                and broadcast
     tracking    metrics.jsonl + summary.json in --output_dir; --report_to wandb (offline without a key) | none
 Outputs: --output_dir/{metrics.jsonl, summary.json, checkpoints/step_<N>/, final/ (a Hugging Face model folder)}.
 """

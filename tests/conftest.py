@@ -1,5 +1,5 @@
 """Shared test helpers. One helper owns process spawning (`launch`); runs are cached per session so one launch
-serves many assertions (launches are the CI budget: DESIGN.md section 5)."""
+serves many assertions (launches are the CI budget: docs/ARCHITECTURE.md)."""
 
 from __future__ import annotations
 

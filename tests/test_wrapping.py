@@ -99,7 +99,7 @@ def test_every_family_shards_block_by_block_and_trains_as_one_process(runs, fami
 
 
 def test_wrapping_choices_change_what_stays_gathered(runs):
-    """The three wrapping settings, all switched away from torchtitan's defaults in one launch, each show their
+    """The three wrapping settings, all switched away from their defaults in one launch, each show their
     memory effect: the last block is resharded after forward (its bytes leave the held set), the embedding joins
     the root group (held all step), and explicit prefetching gathers the next two blocks at each block's start.
     The defaults' side is tests/test_zero_math.py's fsdp2 probe (same session run)."""

@@ -11,7 +11,7 @@ mixed-precision Adam has K = 12):
     zero3        16 Psi / N                      24 Psi / N (params 4, master 4, Adam 8, grads 4 + 4, partitioned)
     fsdp2        16 Psi / N                      16 Psi / N (no master copy: the fp32 shard is the master)
 
-The fp32 column is what DeepSpeed 0.19.8 and torch 2.13 were measured to hold (DESIGN.md section 4). Engines:
+The fp32 column is what DeepSpeed 0.19.8 and torch 2.13 were measured to hold (docs/MEMORY.md). Engines:
 ddp, single, zero1, zero2, zero3 (+_offload), fsdp2, fsdp2_zero2 (+_offload). Units: bytes.
 
 Activations per micro-batch (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer

@@ -1,6 +1,6 @@
 """Build the `Accelerator` for this launch, so the engine the accelerate YAML names is the engine that runs.
 
-On a machine without CUDA, accelerate 1.15 silently degrades two launches (DESIGN.md section 4):
+On a machine without CUDA, accelerate 1.15 silently degrades two launches (docs/ARCHITECTURE.md):
 - an FSDP launch becomes N independent single-process trainings that all believe they are rank 0;
 - a DDP (MULTI_GPU) launch shards the data but never synchronises gradients.
 `build_accelerator` prepares accelerate's shared state so that FSDP2, DDP and DeepSpeed all run for real over
@@ -262,7 +262,7 @@ def check_launch(accelerator) -> None:
         problems.append("no data parallelism (gradients would never be synchronised)")
     if problems:
         raise RuntimeError("accelerate did not build the requested engine: " + "; ".join(problems) + ". This is "
-                           "accelerate's silent CPU fallback (DESIGN.md section 4); check the accelerate version.")
+                           "accelerate's silent CPU fallback (docs/ARCHITECTURE.md); check the accelerate version.")
 
 
 def engine_name(accelerator) -> str:
@@ -458,7 +458,7 @@ def catch_stop_signals() -> None:
     """Turn SIGTERM, SIGINT and SIGUSR1 into a request to stop at the next step boundary (see `stop_requested`).
 
     torchrun forwards a signal sent to the launcher to every worker and kills them after its 30 s grace period,
-    so the save that follows must fit in that time (DESIGN.md section 4)."""
+    so the save that follows must fit in that time (docs/ARCHITECTURE.md)."""
     import signal
 
     def handler(signum, _frame):

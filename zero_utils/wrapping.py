@@ -1,14 +1,17 @@
 """FSDP2 layer wrapping for any Hugging Face decoder: `fully_shard` each decoder block, then the root.
 
 The model is never edited for parallelism (torchtitan's rule): sharding is applied from outside, in a fixed order
-that follows torchtitan's `apply_fsdp`:
+like torchtitan's `apply_fsdp`:
     1. the input embedding (its own group, unless tied to the output head);
     2. each decoder block, one FSDP unit per block; the last block is not resharded after forward, because
        backward needs it at once;
     3. the final norm and the output head (plus a tied embedding) as one group, not resharded after forward;
     4. the root, which picks up whatever is left.
-The three choices that differ between codebases are `shard_model` arguments with torchtitan's choice as default
-(`reshard_last_block`, `embedding_group`, `prefetch_blocks`); their memory effect is measured by
+The three choices that differ between codebases are `shard_model` arguments (`reshard_last_block`,
+`embedding_group`, `prefetch_blocks`). The defaults keep the last block gathered after forward (backward would
+gather it again at once: one all-gather saved for one block's parameters held; torchtitan did the same until its
+PR #1094, July 2025, which reshards every block), give an untied embedding its own unit and leave prefetching to
+FSDP2's implicit one. Their memory effect is measured by
 tests/scripts/unsharded_after_forward.py. A tied embedding/output weight is always kept in one group: FSDP2
 cannot shard one parameter in two groups.
 Accelerate's FSDP2 `prepare` leaves a model that is already an `FSDPModule` untouched, so calling
@@ -63,7 +66,7 @@ def shard_model(model: nn.Module, accelerator, block_override: str | None = None
     over all ranks (each rank holds ~1/world of each), or, with HSDP (parallelism_config dp_replicate_size > 1),
     over the ranks of one shard group and replicated across groups.
 
-    Wrapping choices (defaults: torchtitan's), all only under reshard_after_forward=True:
+    Wrapping choices (defaults: see the module docstring), all only under reshard_after_forward=True:
         reshard_last_block  also reshard the last block after forward (it is gathered again at once for backward:
                             one block's parameters less held between forward and backward, one all-gather more)
         embedding_group     an untied input embedding is its own unit, resharded after forward; False leaves it
