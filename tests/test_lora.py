@@ -26,6 +26,16 @@ def base_model(session_root) -> str:
     return str(path)
 
 
+LORA_ARGS = ("--max_steps", "6", "--save_every", "4", "--seq_len", "64", "--lora_dropout", "0", "--eval_fraction", "0",
+             "--max_new_tokens", "0", "--report_to", "none", "--merge")
+
+
+def lora_run(runs, base_model: str, engine: str, *extra: str, name: str | None = None):
+    """6 steps of LoRA on 2 ranks, fp32, a checkpoint at step 4 (and the final one at 6)."""
+    return runs(name or f"lora-{engine}", "--model", base_model, *LORA_ARGS, *extra, recipe="recipes/llama_lora.py",
+                config=engine, mixed_precision="no").check()
+
+
 @pytest.mark.parametrize("engine", ["ddp", "fsdp2", "zero3"])
 def test_lora_trains_only_adapters_and_reloads_to_the_same_logits(runs, base_model, engine):
     """ZeRO-3: accelerate's 'auto' persistence threshold (10 x hidden = 1280 elements) is below every LoRA matrix
@@ -36,10 +46,7 @@ def test_lora_trains_only_adapters_and_reloads_to_the_same_logits(runs, base_mod
 
     from zero_utils import data
 
-    run = runs(
-        f"lora-{engine}", "--model", base_model, "--max_steps", "6", "--seq_len", "64", "--lora_dropout", "0",
-        "--eval_fraction", "0", "--max_new_tokens", "0", "--report_to", "none", "--merge",
-        recipe="recipes/llama_lora.py", config=engine, mixed_precision="no").check()
+    run = lora_run(runs, base_model, engine)
     summary = run.summary()
     assert 0 < summary["num_params"] < 0.2 * summary["frozen_params"]  # only the adapters are trainable
     assert summary["model_state_bytes"] == pytest.approx(summary["model_state_bytes_expected"], rel=0.01)
@@ -56,3 +63,24 @@ def test_lora_trains_only_adapters_and_reloads_to_the_same_logits(runs, base_mod
         for model in (reloaded, merged):
             logits = model.eval()(input_ids=ids, use_cache=False).logits[0, -1]
             torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("engine", ["fsdp2", "zero3"])
+def test_lora_resumed_at_step_4_continues_as_if_never_stopped(runs, base_model, engine):
+    """Sharded adapters are saved and restored whole: a known failure elsewhere (accelerate PR #4206) saves only
+    rank 0's slice, so after a resume (N-1)/N of each adapter silently reverts. Here every adapter element differs
+    per rank's slice after 4 steps (B starts at zero and trains); resumed from step 4, steps 5-6 and the final
+    adapter equal the uninterrupted run's."""
+    whole = lora_run(runs, base_model, engine)
+    resumed = lora_run(runs, base_model, engine, "--resume", str(whole.output_dir / "checkpoints" / "step_4"),
+                       name=f"lora-{engine}-resumed-at-4")
+    assert [m["step"] for m in resumed.metrics()] == [5, 6]
+    assert [m["loss"] for m in resumed.metrics()] == pytest.approx([m["loss"] for m in whole.metrics()[4:]],
+                                                                   rel=1e-6)
+    adapter = load_file(whole.output_dir / "final" / "adapter_model.safetensors")
+    resumed_adapter = load_file(resumed.output_dir / "final" / "adapter_model.safetensors")
+    assert adapter.keys() == resumed_adapter.keys()
+    for name, tensor in adapter.items():
+        if "lora_B" in name:
+            assert tensor.abs().min() > 0, name  # trained everywhere: a reverted slice would be zeros again
+        torch.testing.assert_close(resumed_adapter[name], tensor, rtol=0, atol=1e-6, msg=name)
