@@ -320,17 +320,10 @@ def sharding_evidence(model, optimizer) -> dict:
     """What this rank really holds, to prove the engine is not DDP in disguise: the wrapper classes, the DeepSpeed
     ZeRO stage, and `local_param_fraction` = parameter elements held here / elements in the model (1.0 when
     replicated, ~1/world under ZeRO-3 and FSDP2). Engines: all."""
-    from torch.distributed.tensor import DTensor
-
     module = getattr(model, "module", model)
     total = local = 0
     for p in module.parameters():
-        if hasattr(p, "ds_tensor"):  # [ZeRO-3]
-            total, local = total + p.ds_numel, local + p.ds_tensor.numel()
-        elif isinstance(p, DTensor):  # [FSDP2]
-            total, local = total + p.numel(), local + p.to_local().numel()
-        else:
-            total, local = total + p.numel(), local + p.numel()
+        total, local = total + getattr(p, "ds_numel", p.numel()), local + _held_here(p).numel()
     inner = getattr(optimizer, "optimizer", optimizer)
     stage = model.zero_optimization_stage() if hasattr(model, "zero_optimization_stage") else None
     from torch.distributed.fsdp import FSDPModule
@@ -345,6 +338,15 @@ def sharding_evidence(model, optimizer) -> dict:
             "placement": placement_evidence(model, optimizer)}
 
 
+def _held_here(param: torch.Tensor) -> torch.Tensor:
+    """The part of `param` this rank holds: its ZeRO-3 partition, its FSDP2 local shard, or the whole tensor."""
+    from torch.distributed.tensor import DTensor
+
+    if hasattr(param, "ds_tensor"):  # [ZeRO-3]
+        return param.ds_tensor
+    return param.to_local() if isinstance(param, DTensor) else param  # [FSDP2] DTensor shard
+
+
 def placement_evidence(model, optimizer) -> dict:
     """Where this rank's model states live and what offload the engine was given: {"param_devices": device types
     of the local parameter shards (FSDP2) or partitions (ZeRO-3), "optimizer_devices": device types of the fp32
@@ -353,11 +355,9 @@ def placement_evidence(model, optimizer) -> dict:
     `offload_param` (ZeRO-1/2: `cpu_offload`)}. On a GPU the devices show the offload (cpu, not cuda); on a CPU host
     every device is cpu and the switches show the wiring. Engines: all."""
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
-    from torch.distributed.tensor import DTensor
 
     module = getattr(model, "module", model)
-    param_devices = {(p.ds_tensor if hasattr(p, "ds_tensor") else p.to_local() if isinstance(p, DTensor) else p)
-                     .device.type for p in module.parameters()}
+    param_devices = {_held_here(p).device.type for p in module.parameters()}
     inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper -> torch or DeepSpeed's optimizer
     optimizer_tensors = []
     for name in ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups"):  # [DeepSpeed] fp32 master
