@@ -13,7 +13,7 @@ BENCH_COMMS_STEP=S  counts every c10d collective of optimizer step S with torch.
                     `data.global_batch_indices(step=S)` to its call for step S+1, so it includes the recipe's small
                     scalar all-reduces (token count, loss, grad norm, metrics maxima).
 BENCH_DEEPSPEED_DEFAULT_BUCKETS=1  leaves DeepSpeed's bucket sizes at its own defaults (what the Trainer gets from
-                    the same YAML) instead of zero_utils.runtime's (the hidden size's, at least 25 MiB).
+                    the same YAML) instead of zero_utils.accelerator's (the hidden size's, at least 25 MiB).
 BENCH_DEEPSPEED_ZERO='{"key": value, ...}'  overrides DeepSpeed `zero_optimization` settings after the runtime has
                     sized its buckets (one setting at a time, for ablations): e.g. '{"reduce_bucket_size": 65536,
                     "stage3_prefetch_bucket_size": 58982}' is accelerate's plain "auto" at hidden 256.
@@ -24,18 +24,17 @@ BENCH_ACCELERATE_FSDP2_PREP=1  skips zero_utils.wrapping.shard_model: accelerate
                     with the YAML's reshard_after_forward), which is what users get without our wrapping choices.
 """
 
-import importlib.util
 import json
 import math
 import os
+import sys
 from pathlib import Path
 
+import zero_utils.accelerator
 import zero_utils.data
-import zero_utils.runtime
 import zero_utils.wrapping
-from zero_utils.cli import run_recipe
 
-RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "llama_zero3.py"
+REPO = Path(__file__).resolve().parent.parent
 
 
 def count_comms_of_step(step_to_count: int, path: str) -> None:
@@ -110,14 +109,14 @@ def count_collectives(events, world: int) -> dict:
 
 
 def override_deepspeed_zero(settings: dict) -> None:
-    size_deepspeed_buckets = zero_utils.runtime.size_deepspeed_buckets
+    size_deepspeed_buckets = zero_utils.accelerator.size_deepspeed_buckets
 
     def sized_then_overridden(accelerator, model):
         written = size_deepspeed_buckets(accelerator, model)
         accelerator.state.deepspeed_plugin.deepspeed_config["zero_optimization"].update(settings)
         return written | settings
 
-    zero_utils.runtime.size_deepspeed_buckets = sized_then_overridden
+    zero_utils.accelerator.size_deepspeed_buckets = sized_then_overridden
 
 
 def accelerate_fsdp2_prep() -> None:
@@ -149,14 +148,16 @@ if __name__ == "__main__":
     if os.environ.get("BENCH_COMMS_STEP"):
         count_comms_of_step(int(os.environ["BENCH_COMMS_STEP"]), os.environ["BENCH_COMMS_FILE"])
     if os.environ.get("BENCH_DEEPSPEED_DEFAULT_BUCKETS") == "1":
-        zero_utils.runtime._DEEPSPEED_AUTO_BUCKETS.clear()
+        zero_utils.accelerator._DEEPSPEED_AUTO_BUCKETS.clear()
     if os.environ.get("BENCH_DEEPSPEED_ZERO"):
         override_deepspeed_zero(json.loads(os.environ["BENCH_DEEPSPEED_ZERO"]))
     if os.environ.get("BENCH_COMPILE_BLOCKS") == "1":
         compile_blocks()
     if os.environ.get("BENCH_ACCELERATE_FSDP2_PREP") == "1":
         accelerate_fsdp2_prep()
-    spec = importlib.util.spec_from_file_location("llama_zero3", RECIPE)
-    recipe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(recipe)
-    run_recipe(recipe.main, recipe.Settings, recipe.__doc__)
+    # The recipe runs through the test harness, which adds the per-rank evidence (sharding_per_rank, ...) to
+    # summary.json from outside (tests/scripts/harness.py): benchmarks/run.py compares FSDP2 units from it.
+    sys.path.insert(0, str(REPO / "tests" / "scripts"))
+    import harness
+
+    harness.main()

@@ -5,7 +5,7 @@ what users would pick instead of recipes/llama_zero3.py. benchmarks/run.py launc
         benchmarks/trainer_baseline.py --model DIR --output_dir D --max_steps 10 --per_device_batch_size 4 --seq_len 256
 
 On a machine without CUDA the Trainer's own Accelerator falls back to one process per rank, unsharded
-(docs/ARCHITECTURE.md). So the accelerate state is built first by zero_utils.runtime.build_accelerator (gloo, the
+(docs/ARCHITECTURE.md). So the accelerate state is built first by zero_utils.accelerator.build_accelerator (gloo, the
 engine the launch named) and the Trainer is told to reuse it (`accelerator_config={"use_configured_state":
 True}`); after training this script records how much of the model each rank holds, so a run that did not shard
 is caught.
@@ -22,18 +22,20 @@ import workload  # benchmarks/workload.py: flags, loss and timing shared with pl
 from accelerate import PartialState
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from zero_utils import data, memory, runtime
+from zero_utils import accelerator as accelerator_setup
+from zero_utils import data, distributed, evidence, measure
+from zero_utils.engine import Engine
 from zero_utils.model import load_causal_lm, load_tokenizer
 
 args = workload.parser(__doc__).parse_args()
 
-# FSDP2 (and DDP): the state first (our runtime: gloo + the launched engine), then the Trainer reuses it. DeepSpeed
-# needs only a gloo process group, which the Trainer builds itself from `ddp_backend`; it refuses a configured
-# DeepSpeed state ("cannot pass in a deepspeed_plugin when creating a second Accelerator"), so it builds its own
-# from the launch's environment, as it would for a user.
-use_configured_state = runtime.requested_engine_family() != "deepspeed"
+# FSDP2 (and DDP): the state first (zero_utils.accelerator: gloo + the launched engine), then the Trainer reuses
+# it. DeepSpeed needs only a gloo process group, which the Trainer builds itself from `ddp_backend`; it refuses a
+# configured DeepSpeed state ("cannot pass in a deepspeed_plugin when creating a second Accelerator"), so it builds
+# its own from the launch's environment, as it would for a user.
+use_configured_state = accelerator_setup.requested_engine_family() != "deepspeed"
 if use_configured_state:
-    accelerator = runtime.build_accelerator(per_device_batch_size=args.per_device_batch_size,
+    accelerator = accelerator_setup.build_accelerator(per_device_batch_size=args.per_device_batch_size,
                                             gradient_accumulation_steps=1, max_grad_norm=1.0)
 else:
     accelerator = PartialState(backend="gloo" if not torch.cuda.is_available() else None)
@@ -74,14 +76,14 @@ training_args = TrainingArguments(
 trainer = Trainer(model=model, args=training_args, train_dataset=train_rows, compute_loss_func=token_mean_loss,
                   callbacks=[timer])
 trainer.train()
-engine = runtime.engine_name(trainer.accelerator)
+engine = Engine.of(trainer.accelerator).name
 
-evidence = runtime.sharding_evidence(trainer.model_wrapped, trainer.optimizer)
-fractions = runtime.max_over_ranks(trainer.accelerator, {f"rank{r}": 0 for r in range(world)}
+evidence = evidence.sharding_evidence(trainer.model_wrapped, trainer.optimizer)
+fractions = distributed.max_over_ranks(trainer.accelerator, {f"rank{r}": 0 for r in range(world)}
                                    | {f"rank{trainer.accelerator.process_index}": round(
                                        evidence["local_param_fraction"] * 1e6)})
-peak = runtime.max_over_ranks(trainer.accelerator,
-                              {"peak_mem_bytes": memory.peak_memory_bytes(trainer.accelerator.device)})
+peak = distributed.max_over_ranks(trainer.accelerator,
+                              {"peak_mem_bytes": measure.peak_memory_bytes(trainer.accelerator.device)})
 tokens_per_step = args.per_device_batch_size * world * args.seq_len
 if trainer.accelerator.is_main_process:
     result = {
@@ -94,4 +96,4 @@ if trainer.accelerator.is_main_process:
     }
     Path(args.output_dir, "trainer.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result))
-runtime.finish(trainer.accelerator)
+distributed.close_and_exit(trainer.accelerator)

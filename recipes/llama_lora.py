@@ -1,6 +1,6 @@
 """LoRA fine-tuning (PEFT) of a Llama-family causal LM under DDP, DeepSpeed ZeRO-3 or FSDP2: only the adapters
 train, so gradients and optimizer state shrink to the adapters' share; the frozen base is sharded like any
-parameter under ZeRO-3/FSDP2. This file is llama_zero3.py with the lines marked [LoRA] added.
+parameter under ZeRO-3/FSDP2. This file is llama_zero3.py with every line that differs marked [LoRA].
 
     accelerate launch --config_file accelerate_configs/fsdp2.yaml recipes/llama_lora.py    # FSDP2 = ZeRO-3
     accelerate launch --config_file accelerate_configs/zero3.yaml recipes/llama_lora.py    # DeepSpeed ZeRO-3
@@ -12,35 +12,36 @@ Features, the flag that controls each, and its cost:
     LoRA        --lora_r, --lora_alpha, --lora_dropout, --lora_target_modules ("all-linear" = every linear layer
                 of the blocks, any model family); trainable parameters and their optimizer state are r-sized
     QLoRA       --qlora: 4-bit base weights through bitsandbytes, CUDA GPUs only (untested here: no GPU in CI)
-    export      final/ = the PEFT adapter (adapter_config.json + adapter_model.safetensors, gathered from the
-                shards); --merge also writes final/merged/, the base with the adapters merged in
-    data, batch, optimizer, eval, checkpoint, tracking: as in llama_zero3.py
+    export      final/ = the PEFT adapter (adapter_config.json + adapter_model.safetensors): only the trainable
+                tensors are gathered, one at a time; --merge also writes final/merged/, the base with the
+                adapters merged in (on the main process, from the base model on disk)
+    data, batch, optimizer, eval, checkpoint, FSDP2 (--fsdp_*), tracking: as in llama_zero3.py
 Outputs: --output_dir/{metrics.jsonl, summary.json, checkpoints/step_<N>/, final/ (adapter), final/merged/}.
 """
 
 import math
-import statistics
-import time
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
-from accelerate.utils import gather_object, set_seed
-from peft import LoraConfig, get_peft_model
-from safetensors.torch import save_file
+from accelerate.utils import set_seed
+from peft import LoraConfig, get_peft_model  # [LoRA]
 from tqdm.auto import tqdm
 
-from zero_utils import attention, checkpoint, data, errors, generate, memory, runtime, tracking, wrapping
+from zero_utils import attention, checkpoint, data, distributed, errors, generate, memory, tracking, wrapping
+from zero_utils.accelerator import build_accelerator, size_deepspeed_buckets
 from zero_utils.cli import flag, run_recipe
-from zero_utils.errors import UserError
+from zero_utils.engine import Engine, shard_group_size
+from zero_utils.measure import RunMeasurements
 from zero_utils.model import (
     BUNDLED_MODEL,
     count_parameters,
+    gather_trainable_state_dict,  # [LoRA]
     load_causal_lm,
     load_config,
     load_tokenizer,
-    quantization_config,
-    zero3_init_disabled,
+    quantization_config,  # [LoRA]
+    zero3_init_disabled,  # [LoRA]
 )
 from zero_utils.optim import build_adamw, describe_param_groups, lr_at, set_lr
 
@@ -51,13 +52,13 @@ class Settings:
     model: str = flag(BUNDLED_MODEL, "Hub id or local folder of a causal LM")
     dataset: str = flag(data.BUNDLED_DATASET, "Hub id or local file/folder")
     columns: str = flag("", "rename columns, e.g. prompt=question,completion=answer")
-    output_dir: str = flag("runs/llama_lora", "where metrics, checkpoints and final/ go")
+    output_dir: str = flag("runs/llama_lora", "where metrics, checkpoints and final/ go")  # [LoRA]
     lora_r: int = flag(16, "LoRA rank", min=1)  # [LoRA]
-    lora_alpha: int = flag(32, "LoRA scaling numerator (scale = alpha / r)", min=1)
-    lora_dropout: float = flag(0.05, "dropout on the LoRA input", min=0.0)
-    lora_target_modules: str = flag("all-linear", "comma-separated module names, or all-linear")
-    merge: bool = flag(False, "also write final/merged: the base model with the adapters merged in")
-    qlora: bool = flag(False, "4-bit base weights (bitsandbytes; CUDA GPUs only)")
+    lora_alpha: int = flag(32, "LoRA scaling numerator (scale = alpha / r)", min=1)  # [LoRA]
+    lora_dropout: float = flag(0.05, "dropout on the LoRA input", min=0.0)  # [LoRA]
+    lora_target_modules: str = flag("all-linear", "comma-separated module names, or all-linear")  # [LoRA]
+    merge: bool = flag(False, "also write final/merged: the base model with the adapters merged in")  # [LoRA]
+    qlora: bool = flag(False, "4-bit base weights (bitsandbytes; CUDA GPUs only)")  # [LoRA]
     max_steps: int = flag(150, "optimizer steps", min=1)
     per_device_batch_size: int = flag(4, "rows of seq_len tokens per process per micro-step", min=1)
     gradient_accumulation_steps: int = flag(1, "micro-steps per optimizer step", min=1)
@@ -82,22 +83,30 @@ class Settings:
     attn_implementation: str = flag("", "sdpa (default), eager, flash_attention_2, ...")
     trust_remote_code: bool = flag(False, "run the model repository's own Python code (only for repos you trust)")
     gradient_checkpointing: bool = flag(False, "recompute each block's activations in backward (less memory)")
+    fsdp_reshard_last_block: bool = flag(False, "FSDP2: reshard the last block after forward too (less memory, "
+                                         "one more all-gather)")
+    fsdp_embedding_group: bool = flag(True, "FSDP2: the input embedding is its own unit (else the root's, "
+                                      "gathered all step)")
+    fsdp_prefetch_blocks: int = flag(1, "FSDP2: all-gathers of the next K blocks started early (1 = implicit)",
+                                     min=1)
     prompt: str = flag("What is the capital of France?", "answered greedily at the end")
     max_new_tokens: int = flag(24, "tokens generated for --prompt", min=0)
     async_save: bool = flag(False, "FSDP2/DDP: write checkpoints in the background while training goes on")
-    verify_replicas: bool = flag(False, "hash the gathered weights on every rank at the end (proves replicas agree)")
 
 
 def main(cfg: Settings) -> None:
-    # ------------------------------------------------------------------------------ accelerator, seed
-    accelerator = runtime.build_accelerator(
+    # ------------------------------------------------------------------------------ accelerator, seed, resume
+    accelerator = build_accelerator(
         per_device_batch_size=cfg.per_device_batch_size, gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         max_grad_norm=cfg.max_grad_norm, log_with=tracking.trackers_for(cfg.report_to), project_dir=cfg.output_dir,
         timeout_s=cfg.collective_timeout_s)
-    runtime.catch_stop_signals()  # SIGTERM/SIGINT/SIGUSR1: finish the step, save, exit
-    engine = runtime.engine_name(accelerator)
+    engine = Engine.of(accelerator)  # what runs, read from the accelerator (the YAML decided it)
     world, rank, device = accelerator.num_processes, accelerator.process_index, accelerator.device
-    resume_from = checkpoint.resolve_resume(cfg.output_dir, cfg.resume, cfg.overwrite)
+    # Owns resume, cadence, async saves, keep-last, metadata and the save on SIGTERM/SIGINT/SIGUSR1.
+    checkpointer = checkpoint.Checkpointer(
+        accelerator, engine, cfg.output_dir, resume=cfg.resume, overwrite=cfg.overwrite, save_every=cfg.save_every,
+        keep_last=cfg.keep_last, max_steps=cfg.max_steps, async_save=cfg.async_save, seed=cfg.seed,
+        settings=asdict(cfg))
     set_seed(cfg.seed)
 
     # ------------------------------------------------------------------------------ data
@@ -105,73 +114,64 @@ def main(cfg: Settings) -> None:
     # the examples' offsets passed to its varlen kernel; any other implementation is refused here, before data prep.
     attention_path = attention.packing_path(cfg.attn_implementation)
     tokenizer = load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code)
-    columns = data.parse_column_map(cfg.columns)
+    model_config = load_config(cfg.model, cfg.trust_remote_code)
+    data.check_seq_len(cfg.seq_len, model_config.max_position_embeddings)  # before tokenizing anything
     train_rows, eval_rows, data_info = data.build_sft_datasets(
-        accelerator, tokenizer, cfg.dataset, cfg.seq_len, cfg.eval_fraction, cfg.seed, columns,
-        vocab_size=load_config(cfg.model, cfg.trust_remote_code).vocab_size)  # pads inside the model's embedding
+        accelerator, tokenizer, cfg.dataset, cfg.seq_len, cfg.eval_fraction, cfg.seed,
+        data.parse_column_map(cfg.columns), vocab_size=model_config.vocab_size)  # pads inside the embedding
     global_batch = cfg.per_device_batch_size * cfg.gradient_accumulation_steps * world
     data.check_enough_rows(len(train_rows), global_batch)
+    loss_tokens_per_row = data.loss_tokens_per_row(train_rows)  # each step's token count, with no collective
+    checkpointer.check_resume(model_config, global_batch)  # an incompatible checkpoint fails here, before loading
 
     # ------------------------------------------------------------------------------ model
     model = load_causal_lm(cfg.model, accelerator=accelerator, attn_implementation=cfg.attn_implementation or None,
-                           trust_remote_code=cfg.trust_remote_code,
+                           trust_remote_code=cfg.trust_remote_code,  # [LoRA]
                            quantization_config=quantization_config(cfg.qlora))  # [LoRA] QLoRA: 4-bit base
     lora_config = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,  # [LoRA]
-                             target_modules=_target_modules(cfg.lora_target_modules), task_type="CAUSAL_LM")
+                             target_modules=_target_modules(cfg.lora_target_modules), task_type="CAUSAL_LM")  # [LoRA]
     model = get_peft_model(model, lora_config)  # [LoRA] freezes the base, adds the adapters
-    if cfg.seq_len > model.config.max_position_embeddings:
-        raise UserError(f"--seq_len {cfg.seq_len} exceeds the model's max_position_embeddings "
-                        f"({model.config.max_position_embeddings}); lower --seq_len.")
     num_params = count_parameters(model, trainable_only=True)
     frozen_params = count_parameters(model) - num_params  # [LoRA]
     if cfg.gradient_checkpointing:  # before sharding, so every engine wraps the checkpointed blocks
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    resume_meta = checkpoint.read_metadata(resume_from) if resume_from else None
-    if resume_meta:  # refuse an incompatible checkpoint before any expensive work
-        for warning in checkpoint.check_compatible(resume_meta, storage=checkpoint.storage_for(engine),
-                                                   config_hash=checkpoint.model_config_hash(model.config),
-                                                   global_batch_rows=global_batch):
-            accelerator.print(f"warning: {warning}")
-        if engine.startswith("zero"):  # [DeepSpeed] another world size resumes through a universal checkpoint
-            checkpoint.prepare_deepspeed_resume(accelerator, resume_from, resume_meta)
-    if engine.startswith("fsdp2"):  # [FSDP2] shard block by block, then the root, before the optimizer sees params
-        wrapping.shard_model(model, accelerator)
-    if engine.startswith("zero"):  # [DeepSpeed] communication buckets sized from the model's hidden size
-        runtime.size_deepspeed_buckets(accelerator, model)
+    if engine.is_fsdp2:  # [FSDP2] shard block by block, then the root, before the optimizer sees params
+        wrapping.shard_model(model, accelerator, reshard_last_block=cfg.fsdp_reshard_last_block,
+                             embedding_group=cfg.fsdp_embedding_group, prefetch_blocks=cfg.fsdp_prefetch_blocks)
+    elif any(getattr(cfg, f) != getattr(Settings, f) for f in ("fsdp_reshard_last_block", "fsdp_embedding_group",
+                                                               "fsdp_prefetch_blocks")):
+        accelerator.print(f"warning: the --fsdp_* wrapping flags have no effect under {engine}.")
+    if engine.is_deepspeed:  # [DeepSpeed] communication buckets sized from the model's hidden size
+        size_deepspeed_buckets(accelerator, model)
 
-    # ------------------------------------------------------------------------------ optimizer, prepare
+    # ------------------------------------------------------------------------------ optimizer, prepare, resume
     optimizer = build_adamw(model, cfg.lr, cfg.weight_decay)
     param_groups = describe_param_groups(optimizer)  # decay / no-decay: the same under every engine
     expected_state_bytes = memory.expected_model_state_bytes(
         engine, num_params, world, accelerator.mixed_precision, param_groups=memory.param_group_shapes(optimizer),
-        shard_group_size=runtime.shard_group_size(accelerator), frozen_params=frozen_params)  # [LoRA] frozen base
+        shard_group_size=shard_group_size(accelerator), frozen_params=frozen_params)  # [LoRA] frozen base
     model, optimizer = accelerator.prepare(model, optimizer)
-    # Model-state bytes: measured once, right after the inner optimizer's first step (gradients still held), the
-    # same moment under every engine, even under DeepSpeed where `accelerator.backward` runs the step itself.
-    model_state = {}
-    memory.after_inner_step_once(
-        optimizer, lambda: model_state.update(memory.measure_model_state_bytes(model, optimizer)))
+    # [LoRA] no fp32-master restore from the checkpoint under DeepSpeed: the trainable adapters are new tensors
+    start_step = checkpointer.load(model, optimizer, hf_files=(accelerator.unwrap_model(model).config, tokenizer))
 
-    # ------------------------------------------------------------------------------ tracking, resume
-    run_config = {**asdict(cfg), "engine": engine, "world_size": world, "num_params": num_params,
-                  "optimizer_param_groups": param_groups,
-                  "frozen_params": frozen_params,
-                  "mixed_precision": accelerator.mixed_precision, "global_batch_rows": global_batch,
-                  **{f"version_{k}": v for k, v in tracking.software_versions().items()}}
-    start_step = checkpoint.load(accelerator, model, optimizer, resume_from)["step"] if resume_from else 0
+    # ------------------------------------------------------------------------------ tracking
+    run_config = {**asdict(cfg), "engine": engine.name, "world_size": world, "num_params": num_params,
+                  "optimizer_param_groups": param_groups, "mixed_precision": accelerator.mixed_precision,
+                  "global_batch_rows": global_batch, "frozen_params": frozen_params}  # [LoRA]
     tracker = tracking.RunTracker(accelerator, cfg.output_dir, cfg.report_to, cfg.project, config=run_config,
                                   run_name=f"{engine}-{world}x", group=cfg.group or None,
-                                  resume_step=start_step if resume_from else None,
-                                  resume_run_id=(resume_meta or {}).get("tracker_run_id"))
+                                  resume_step=checkpointer.resumed_step,
+                                  resume_run_id=checkpointer.resumed_tracker_run_id)
+    checkpointer.tracker_run_id = tracker.run_id  # a resumed run continues the same W&B run
     tokens_per_step = global_batch * cfg.seq_len
     accelerator.print(
         f"engine {engine} | {world} process(es) | micro-batch {cfg.per_device_batch_size} x accumulation "
         f"{cfg.gradient_accumulation_steps} x {world} = global batch {global_batch} rows = {tokens_per_step} tokens | "
         f"{num_params / 1e6:.2f}M params | model states per rank (expected): {expected_state_bytes / 1e6:.1f} MB | "
         f"mixed precision: {accelerator.mixed_precision}"
-        + (f" | resumed from {resume_from} at step {start_step}" if resume_from else ""))
+        + (f" | resumed from {checkpointer.resume_from} at step {start_step}" if start_step else ""))
     accelerator.print(data.describe(data_info, cfg.seq_len))
-    if engine in ("single", "ddp"):
+    if engine.is_data_parallel_only:
         accelerator.print(f"no ZeRO engine named by the launch: running {engine}. For ZeRO-3 add --config_file "
                           "accelerate_configs/fsdp2.yaml (or zero3.yaml for DeepSpeed) to accelerate launch.")
 
@@ -193,152 +193,98 @@ def main(cfg: Settings) -> None:
         totals = accelerator.reduce(totals, "sum")
         return (totals[0] / totals[1]).item()
 
-    def save_checkpoint(step):
-        meta = {"engine": engine, "storage": checkpoint.storage_for(engine), "world_size": world,
-                "global_batch_rows": global_batch, "examples_seen": step * global_batch, "seed": cfg.seed,
-                "model_config_hash": checkpoint.model_config_hash(model_config), "tracker_run_id": tracker.run_id,
-                "versions": tracking.software_versions(), "settings": asdict(cfg)}
-        return checkpoint.save(accelerator, model, optimizer, cfg.output_dir, step, meta=meta,
-                               keep_last=cfg.keep_last, hf_files=(model_config, tokenizer),
-                               use_async=cfg.async_save and not engine.startswith("zero"))
-
     # ------------------------------------------------------------------------------ training loop
-    model_config = accelerator.unwrap_model(model).config
-    pending_save = None  # an async checkpoint still being written
     model.train()
-    memory.reset_peak_memory(device)  # [GPU] peaks from here on are training's, not loading's
-    step_times, tokens_per_s, last, model_state_max, bad_steps = [], [], {}, {}, 0
-    activation_bytes = {}  # bytes autograd saved for backward in the first micro-batch (with and without recompute)
+    # tokens/s, memory peaks from here on, model-state bytes next to the formula, saved-activation bytes
+    meter = RunMeasurements(accelerator, model, optimizer, tokens_per_step=tokens_per_step,
+                            expected_model_state_bytes=expected_state_bytes)
+    last, bad_steps = {}, 0
     progress = tqdm(range(start_step + 1, cfg.max_steps + 1), initial=start_step, total=cfg.max_steps,
                     disable=not accelerator.is_main_process, desc=f"train [{engine}]")
     for step in progress:
-        t0 = time.perf_counter()
+        meter.start_step()
         lr = lr_at(step, max_steps=cfg.max_steps, peak_lr=cfg.lr, warmup_steps=cfg.warmup_steps,
                    schedule=cfg.lr_schedule)
         set_lr(optimizer, lr)
         indices = data.global_batch_indices(len(train_rows), global_batch, step, cfg.seed)
         micro_batches = data.rank_micro_batches(train_rows, indices, rank, world, cfg.per_device_batch_size,
                                                 cfg.gradient_accumulation_steps, device)
-        # The loss is the mean over every answer token of the global batch: count them first, then scale each
-        # micro-batch's token-loss sum so that (after accelerate divides by the accumulation steps and the engine
-        # averages over ranks) the gradient is d(sum of token losses)/d(theta) / global token count.
-        local_tokens = sum((mb["labels"] != data.IGNORE_INDEX).sum() for mb in micro_batches).float()
-        global_tokens = accelerator.reduce(local_tokens, "sum")
+        # The loss is the mean over every answer token of the global batch: scale each micro-batch's token-loss
+        # sum so that (after accelerate divides by the accumulation steps and the engine averages over ranks) the
+        # gradient is d(sum of token losses)/d(theta) / global token count.
+        global_tokens = data.global_batch_loss_tokens(loss_tokens_per_row, indices)
         loss_sum = torch.zeros((), device=device)
         for batch in micro_batches:
-            with accelerator.accumulate(model):
-                with memory.count_saved_activations(activation_bytes):  # measures the first forward only
-                    micro_loss_sum = token_loss_sum(batch)
+            with accelerator.accumulate(model), meter.count_saved_activations():  # the first forward is measured
+                micro_loss_sum = token_loss_sum(batch)
                 accelerator.backward(micro_loss_sum * (world * cfg.gradient_accumulation_steps / global_tokens))
                 loss_sum += micro_loss_sum.detach()
-        step_loss = (accelerator.reduce(loss_sum, "sum") / global_tokens).item()
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+        # One collective and one host sync per step: the loss, the gradient norm, the memory peaks and whether a
+        # stop signal reached any rank travel together.
+        values = distributed.reduce_step_values(
+            accelerator, sums={"loss_sum": loss_sum},
+            maxes={"grad_norm": distributed.local_scalar(grad_norm), "stop": checkpointer.stop_requested_here(),
+                   **meter.peak_memory()})
+        step_loss = values["loss_sum"] / global_tokens
         if not math.isfinite(step_loss):
             # Skip the update (DeepSpeed has already applied it inside backward) and stop past --max_bad_steps,
             # without saving: the last good checkpoint stays the newest.
             optimizer.zero_grad()
             bad_steps += 1
             if bad_steps > cfg.max_bad_steps:
-                newest = checkpoint.list_complete(cfg.output_dir)
-                raise errors.TrainingStopped(
-                    f"the loss became {step_loss} at step {step} ({bad_steps} non-finite step(s), --max_bad_steps "
-                    f"{cfg.max_bad_steps}); stopped without saving, the last good checkpoint is "
-                    f"{newest[-1][1] if newest else 'none'}. Lower --lr or check the data, then --resume auto.")
+                raise errors.non_finite_loss(step_loss, step, bad_steps, cfg.max_bad_steps,
+                                             newest_checkpoint=checkpoint.newest_complete(cfg.output_dir))
             accelerator.print(f"warning: non-finite loss at step {step}, update skipped ({bad_steps} so far)")
             continue
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad()
-        if not model_state_max:  # measured on this first step, constant afterwards
-            model_state_max = runtime.max_over_ranks(accelerator, model_state)
-        step_times.append(time.perf_counter() - t0)
-        tokens_per_s.append(tokens_per_step / step_times[-1])
-        last = {"step": step, "loss": step_loss, "lr": lr, "grad_norm": _to_float(grad_norm),
-                "tokens_per_s": tokens_per_s[-1],
-                **runtime.max_over_ranks(accelerator, memory.peak_memory(device)),  # since set-up ended (GPU)
-                "model_state_bytes": model_state_max["total"], "model_state_bytes_expected": expected_state_bytes}
+        last = {"step": step, "loss": step_loss, "lr": lr, "grad_norm": values["grad_norm"],
+                **meter.step_metrics(values)}
         if eval_rows is not None and ((cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps):
             last["eval_loss"] = evaluate()
         tracker.log_step(last)
-        progress.set_postfix(loss=f"{step_loss:.3f}", tok_s=f"{tokens_per_s[-1]:.0f}")
-        stop_signal = runtime.stop_requested(accelerator)  # every rank agrees on the same step
-        if stop_signal or (cfg.save_every and step % cfg.save_every == 0 and step != cfg.max_steps):
-            if pending_save:
-                pending_save.finish(step)
-            pending_save = save_checkpoint(step)
-        if stop_signal:
-            if pending_save:
-                pending_save.finish(step)
-            accelerator.print(f"\n{stop_signal} received: stopped after step {step} with a complete checkpoint in "
-                              f"{cfg.output_dir}/checkpoints/step_{step}; continue with --resume auto.")
-            runtime.finish(accelerator)
+        progress.set_postfix(loss=f"{step_loss:.3f}", tok_s=f"{last['tokens_per_s']:.0f}")
+        checkpointer.step(step, stop=values["stop"] > 0)  # saves when due; after a stop signal: saves and exits
     progress.close()
 
     # ------------------------------------------------------------------------------ save, answer, summary
-    if pending_save:
-        pending_save.finish(cfg.max_steps)
-    final_checkpoint = resume_from
-    if start_step < cfg.max_steps:
-        save_checkpoint(cfg.max_steps)
-        final_checkpoint = checkpoint.list_complete(cfg.output_dir)[-1][1]
-    # [LoRA] the adapter (and the merged model) from the full state dict, gathered from the shards on every rank
-    state_dict = accelerator.get_state_dict(model)
-    accelerator.unwrap_model(model).save_pretrained(f"{cfg.output_dir}/final", state_dict=state_dict,
-                                                    is_main_process=accelerator.is_main_process)
+    final_checkpoint = checkpointer.finish()
+    # [LoRA] the adapter: only the trainable tensors are gathered, one at a time (the frozen base never is)
+    adapter_state = gather_trainable_state_dict(model, accelerator)  # [LoRA]
 
-    def save_tokenizer_and_merge():  # [LoRA] on the main process alone: no DeepSpeed zero.Init (a collective) here
-        tokenizer.save_pretrained(f"{cfg.output_dir}/final")
-        if cfg.merge:
-            with zero3_init_disabled(accelerator):
-                merged = get_peft_model(load_causal_lm(cfg.model), lora_config)
-            merged.load_state_dict(state_dict)
-            merged.merge_and_unload().save_pretrained(f"{cfg.output_dir}/final/merged")
-            tokenizer.save_pretrained(f"{cfg.output_dir}/final/merged")
+    def save_adapter_and_merge():  # [LoRA] on the main process alone: no DeepSpeed zero.Init (a collective) here
+        accelerator.unwrap_model(model).save_pretrained(f"{cfg.output_dir}/final", state_dict=adapter_state)  # [LoRA]
+        tokenizer.save_pretrained(f"{cfg.output_dir}/final")  # [LoRA]
+        if cfg.merge:  # [LoRA] the base from disk plus the adapters
+            with zero3_init_disabled(accelerator):  # [LoRA]
+                merged = get_peft_model(load_causal_lm(cfg.model), lora_config)  # [LoRA]
+            if merged.load_state_dict(adapter_state, strict=False).unexpected_keys:  # [LoRA]
+                raise RuntimeError("the adapter's tensor names do not match the merged model's")  # [LoRA]
+            merged.merge_and_unload().save_pretrained(f"{cfg.output_dir}/final/merged")  # [LoRA]
+            tokenizer.save_pretrained(f"{cfg.output_dir}/final/merged")  # [LoRA]
 
-    # The other ranks wait outside any collective: a long merge is not cut off by --collective_timeout_s.
-    runtime.run_on_main_process(accelerator, save_tokenizer_and_merge)
-    # Every rank takes part in these forward passes: the model is sharded.
-    probe_logits = generate.last_position_logits(model, tokenizer, cfg.prompt, device)
-    if accelerator.is_main_process:
-        save_file({"logits": probe_logits}, f"{cfg.output_dir}/probe_logits.safetensors")
-    answer = generate.greedy_answer(model, tokenizer, cfg.prompt, cfg.max_new_tokens, device)
+    # [LoRA] the other ranks wait outside any collective: a long merge is not cut off by --collective_timeout_s.
+    distributed.run_on_main_process(accelerator, save_adapter_and_merge)  # [LoRA]
+    answer = generate.greedy_answer(model, tokenizer, cfg.prompt, cfg.max_new_tokens, device)  # every rank: sharded
     eval_loss = last.get("eval_loss")
     summary = {
-        "engine": engine, "world_size": world, "mixed_precision": accelerator.mixed_precision,
+        "engine": engine.name, "world_size": world, "mixed_precision": accelerator.mixed_precision,
         "steps": cfg.max_steps, "final_loss": last.get("loss"), "eval_loss": eval_loss,
-        "perplexity": math.exp(eval_loss) if eval_loss is not None else None,
-        "tokens_per_s": statistics.median(tokens_per_s) if tokens_per_s else None,
-        "step_time_s": statistics.median(step_times) if step_times else None,
-        "peak_mem_bytes": last.get("peak_mem_bytes"), "peak_reserved_bytes": last.get("peak_reserved_bytes"),
-        "peak_mem_measured": memory.peak_memory_measured(device), "model_state_bytes": model_state_max.get("total"),
-        "saved_activation_bytes": activation_bytes.get("saved"),
-        "model_state_bytes_expected": expected_state_bytes, "model_state_breakdown_bytes": model_state_max or None,
-        "num_params": num_params, "frozen_params": frozen_params, "global_batch_rows": global_batch,
-        "seq_len": cfg.seq_len, "data": data_info, "optimizer_param_groups": param_groups,
-        "prompt": cfg.prompt, "answer": answer, "versions": tracking.software_versions(),
-        "tracker_run_id": tracker.run_id, "group": cfg.group or None, "checkpoint": str(final_checkpoint),
-        "checkpoint_bytes": checkpoint.checkpoint_bytes(final_checkpoint),
-        # Evidence that the launch is what it claims (tests assert on these): per-rank views of the same run.
-        "first_step_rows_per_rank": gather_object([sum(data.rank_rows(
-            data.global_batch_indices(len(train_rows), global_batch, 1, cfg.seed), rank, world,
-            cfg.per_device_batch_size, cfg.gradient_accumulation_steps), [])]),
-        "sharding_per_rank": gather_object([runtime.sharding_evidence(model, optimizer)]),
-        "data_cache_files_written_per_rank": gather_object([data_info["cache_files_written"]]),
-        "weights_digest_per_rank": gather_object([runtime.weights_digest(model)]) if cfg.verify_replicas else None,
+        "perplexity": math.exp(eval_loss) if eval_loss is not None else None, **meter.summary(),
+        "num_params": num_params, "global_batch_rows": global_batch, "seq_len": cfg.seq_len, "data": data_info,
+        "frozen_params": frozen_params,  # [LoRA]
+        "optimizer_param_groups": param_groups, "prompt": cfg.prompt, "answer": answer, "group": cfg.group or None,
+        "checkpoint": str(final_checkpoint), "checkpoint_bytes": checkpoint.checkpoint_bytes(final_checkpoint),
     }
     tracker.write_summary(summary)
     accelerator.print(f"\n{cfg.prompt!r} -> {answer!r}")
     accelerator.print(tracking.summary_table(summary))
-    runtime.finish(accelerator)  # closes the trackers (flushes W&B) and the process group, then exits
+    distributed.close_and_exit(accelerator)  # closes the trackers (flushes W&B) and the process group; exits
 
 
-def _to_float(value) -> float:
-    if hasattr(value, "full_tensor"):  # [FSDP2] clip_grad_norm_ may return a DTensor
-        value = value.full_tensor()
-    return float(value) if value is not None else float("nan")
-
-
-def _target_modules(spec: str):
-    return spec if spec == "all-linear" else [name.strip() for name in spec.split(",") if name.strip()]
+def _target_modules(spec: str):  # [LoRA]
+    return spec if spec == "all-linear" else [name.strip() for name in spec.split(",") if name.strip()]  # [LoRA]
 
 
 if __name__ == "__main__":

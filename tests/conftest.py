@@ -15,6 +15,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "accelerate_configs"
+HARNESS = REPO / "tests" / "scripts" / "harness.py"  # runs a recipe with probes attached (its docstring lists them)
 ENGINE_CONFIGS = ["ddp", "zero1", "zero2", "zero3", "zero3_offload", "fsdp2", "fsdp2_zero2", "fsdp2_offload"]
 
 
@@ -59,7 +60,8 @@ def isolated_env(tmp_root: Path) -> dict:
 def launch(output_dir: Path, *recipe_args: str, config: str | None = None, num_processes: int | None = 2,
            mixed_precision: str | None = None, recipe: str = "recipes/llama_zero3.py", launch_args: tuple = (),
            env: dict | None = None, timeout: int = 600) -> Run:
-    """Run a recipe the way users do: `accelerate launch [--config_file X] --num_processes N recipe flags...`."""
+    """Run a recipe the way users do: `accelerate launch [--config_file X] --num_processes N recipe flags...`;
+    a recipe under recipes/ runs through tests/scripts/harness.py, which adds per-rank evidence to its summary."""
     cmd = [sys.executable, "-m", "accelerate.commands.launch"]
     if config:
         cmd += ["--config_file", str(CONFIGS / f"{config}.yaml")]
@@ -70,9 +72,12 @@ def launch(output_dir: Path, *recipe_args: str, config: str | None = None, num_p
     cmd += ["--main_process_port", str(free_port())]
     if mixed_precision:
         cmd += ["--mixed_precision", mixed_precision]
-    cmd += list(launch_args) + [str(REPO / recipe), "--output_dir", str(output_dir), *recipe_args]
-    proc = subprocess.run(cmd, cwd=REPO, env=env or isolated_env(output_dir.parent), capture_output=True, text=True,
-                          timeout=timeout)
+    env = env or isolated_env(output_dir.parent)
+    script = REPO / recipe
+    if recipe.startswith("recipes/"):  # a recipe runs unchanged, with the tests' probes attached from outside
+        env, script = {**env, "ZERO_RECIPES_HARNESS_RECIPE": recipe}, HARNESS
+    cmd += list(launch_args) + [str(script), "--output_dir", str(output_dir), *recipe_args]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     return Run(proc.returncode, proc.stdout, proc.stderr, output_dir)
 
 

@@ -94,7 +94,7 @@ def test_a_rank_killed_while_saving_leaves_the_previous_checkpoint_usable(runs, 
     """Rank 1 dies (SIGKILL) in the middle of writing the step-8 checkpoint: the job fails, step_4 stays
     complete, the half-written step 8 never counts, and --resume auto finishes the run on the same curve."""
     args = (*EIGHT_STEPS, "--model", small_model, "--per_device_batch_size", "4")
-    env_name = "ZERO_RECIPES_TEST_KILL_RANK_DURING_SAVE"
+    env_name = "ZERO_RECIPES_HARNESS_KILL_RANK_DURING_SAVE"  # tests/scripts/harness.py
     out = run_layout("fsdp2", 2, 4, 1).output_dir.parent / "ck-crash"
     env = {**isolated_env(out.parent), env_name: "1:8"}
     crashed = launch(out, *args, config="fsdp2", mixed_precision="no", env=env)

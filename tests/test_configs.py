@@ -76,6 +76,36 @@ def test_zero_utils_never_imports_recipes():
                 assert not any(a.name.startswith("recipes") for a in node.names), path
 
 
+# zero_utils's layers, bottom first (docs/ARCHITECTURE.md): a module imports only modules of lower layers.
+LAYERS = [
+    {"errors", "versions"},
+    {"engine", "stop_signals", "distributed", "cli", "launcher"},
+    {"accelerator", "data", "attention", "wrapping", "optim"},
+    {"model", "generate"},
+    {"memory", "measure", "evidence", "checkpoint"},
+    {"tracking"},
+    {"compare"},
+]
+
+
+def test_zero_utils_modules_import_only_lower_layers():
+    layer_of = {name: i for i, names in enumerate(LAYERS) for name in names}
+    modules = {path.stem for path in (REPO / "zero_utils").glob("*.py")} - {"__init__"}
+    assert modules <= set(layer_of), f"add {sorted(modules - set(layer_of))} to LAYERS"
+    for name in modules:
+        tree = ast.parse((REPO / "zero_utils" / f"{name}.py").read_text())
+        imported = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == "zero_utils":
+                imported |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("zero_utils."):
+                imported.add(node.module.split(".")[1])
+            elif isinstance(node, ast.Import):
+                imported |= {a.name.split(".")[1] for a in node.names if a.name.startswith("zero_utils.")}
+        for other in imported:
+            assert layer_of[other] < layer_of[name], f"zero_utils.{name} imports zero_utils.{other} (same or higher)"
+
+
 def test_readme_commands_point_at_real_files():
     readme = (REPO / "README.md").read_text()
     for name in ENGINE_CONFIGS:
@@ -97,14 +127,14 @@ def test_stale_torch_extensions_lock_is_named_and_a_fresh_one_is_not(tmp_path, m
     import os
     import time
 
-    from zero_utils import runtime
+    from zero_utils import accelerator
     from zero_utils.errors import UserError
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     lock = tmp_path / "deepspeed_shm_comm" / "lock"
     lock.parent.mkdir()
     lock.touch()
-    runtime.check_extension_locks()  # just taken: a build in progress
+    accelerator.check_extension_locks()  # just taken: a build in progress
     os.utime(lock, (time.time() - 3600,) * 2)
     with pytest.raises(UserError, match=rf"{lock} is 60 minutes old.*rm {lock}$"):
-        runtime.check_extension_locks()
+        accelerator.check_extension_locks()

@@ -102,7 +102,7 @@ def test_a_rank_killed_fails_the_job_and_resume_auto_continues(tmp_path):
 
 def test_torchrun_max_restarts_restarts_in_place_and_resumes(tmp_path):
     """`accelerate launch --max_restarts 1 ... --resume auto`: a rank killed with SIGKILL makes torchrun restart
-    every worker in place; they join a fresh process group (zero_utils.runtime, per-attempt rendezvous keys),
+    every worker in place; they join a fresh process group (zero_utils.accelerator, per-attempt rendezvous keys),
     resume from the newest complete checkpoint and finish the run, and the job exits 0."""
     out = tmp_path / "run"
     proc = start(out, extra=("--max_steps", "40", "--save_every", "2", "--resume", "auto", "--seq_len", "256",

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import REPO
 
-from zero_utils import memory
+from zero_utils import measure, memory
 from zero_utils.errors import UserError
 
 pytestmark = pytest.mark.unit
@@ -293,29 +293,29 @@ def test_cli_error_exits_2():
 
 
 def test_deepspeed_buckets_follow_the_hidden_size_with_a_floor_and_keep_a_users_setting():
-    """What zero_utils.runtime writes into DeepSpeed's config before `prepare` (the estimator uses the same sizes):
+    """What zero_utils.accelerator writes into DeepSpeed's config before `prepare` (the estimator uses the same sizes):
     accelerate's "auto" sizes from hidden 2560 up, the 25 MiB floor below, and a size the user's own DeepSpeed
     config file sets is left alone."""
     from types import SimpleNamespace
 
-    from zero_utils import runtime
+    from zero_utils import accelerator as setup
 
     floor = 25 * 2**20 // 4
-    assert runtime.deepspeed_bucket_elements(4096) == {
+    assert setup.deepspeed_bucket_elements(4096) == {
         "reduce_bucket_size": 4096**2, "stage3_prefetch_bucket_size": int(0.9 * 4096**2),
         "stage3_param_persistence_threshold": 40960}
-    assert runtime.deepspeed_bucket_elements(256) == {
+    assert setup.deepspeed_bucket_elements(256) == {
         "reduce_bucket_size": floor, "stage3_prefetch_bucket_size": floor, "stage3_param_persistence_threshold": 2560}
 
     zero_config = {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": 1234,
                    "stage3_param_persistence_threshold": "auto"}
     plugin = SimpleNamespace(deepspeed_config={"zero_optimization": zero_config})
     accelerator = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin))
-    written = runtime.size_deepspeed_buckets(accelerator, SimpleNamespace(config=SimpleNamespace(hidden_size=256)))
+    written = setup.size_deepspeed_buckets(accelerator, SimpleNamespace(config=SimpleNamespace(hidden_size=256)))
     assert written == {"reduce_bucket_size": floor, "stage3_param_persistence_threshold": 2560}
     assert zero_config["stage3_prefetch_bucket_size"] == 1234
     no_deepspeed = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=None))
-    assert runtime.size_deepspeed_buckets(no_deepspeed, SimpleNamespace(config=SimpleNamespace(hidden_size=256))) == {}
+    assert setup.size_deepspeed_buckets(no_deepspeed, SimpleNamespace(config=SimpleNamespace(hidden_size=256))) == {}
 
     # the estimate's ZeRO-3 transients: live-parameter bound (here the model) + the two floored buckets (bounded by
     # the model) + persistent params
@@ -335,10 +335,10 @@ def test_gpu_peaks_are_allocated_and_reserved_since_the_reset(monkeypatch):
     monkeypatch.setattr(torch.cuda, "max_memory_reserved",
                         lambda device=None: calls.append(("reserved", device)) or 4 * 2**30)
     cuda = torch.device("cuda", 1)
-    memory.reset_peak_memory(cuda)
-    assert memory.peak_memory(cuda) == {"peak_mem_bytes": 3 * 2**30, "peak_reserved_bytes": 4 * 2**30}
+    measure.reset_peak_memory(cuda)
+    assert measure.peak_memory(cuda) == {"peak_mem_bytes": 3 * 2**30, "peak_reserved_bytes": 4 * 2**30}
     assert calls == [("reset", cuda), ("allocated", cuda), ("reserved", cuda)]
-    assert "max_memory_reserved" in memory.peak_memory_measured(cuda)
+    assert "max_memory_reserved" in measure.peak_memory_measured(cuda)
     cpu = torch.device("cpu")
-    memory.reset_peak_memory(cpu)  # nothing to reset: the RSS high-water mark of the process
-    assert list(memory.peak_memory(cpu)) == ["peak_mem_bytes"] and "RSS" in memory.peak_memory_measured(cpu)
+    measure.reset_peak_memory(cpu)  # nothing to reset: the RSS high-water mark of the process
+    assert list(measure.peak_memory(cpu)) == ["peak_mem_bytes"] and "RSS" in measure.peak_memory_measured(cpu)

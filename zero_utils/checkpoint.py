@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import random
 import re
 import shutil
@@ -40,15 +39,15 @@ from pathlib import Path
 
 import torch
 
-from zero_utils import runtime
+from zero_utils import distributed, stop_signals
+from zero_utils.engine import Engine
 from zero_utils.errors import UserError
+from zero_utils.versions import software_versions
 
 META_FILE = "zero_recipes.json"
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 DCP_DIR, DEEPSPEED_DIR, UNIVERSAL_DIR, DEEPSPEED_TAG = "model_optim", "deepspeed", "universal", "state"
-# Test hook (tests/test_checkpoint.py): this rank dies with SIGKILL in the middle of saving the given step.
-_CRASH_ENV = "ZERO_RECIPES_TEST_KILL_RANK_DURING_SAVE"
 
 
 # ---------------------------------------------------------------------------------------------- finding
@@ -62,6 +61,12 @@ def list_complete(output_dir: str | Path) -> list[tuple[int, Path]]:
             if match and (child / META_FILE).is_file():
                 found.append((int(match.group(1)), child))
     return sorted(found)
+
+
+def newest_complete(output_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint in `output_dir/checkpoints`, or None."""
+    found = list_complete(output_dir)
+    return found[-1][1] if found else None
 
 
 def read_metadata(path: str | Path) -> dict:
@@ -117,14 +122,141 @@ def check_compatible(meta: dict, *, storage: str, config_hash: str, global_batch
     return warnings
 
 
-def storage_for(engine: str) -> str:
-    """'deepspeed' for DeepSpeed ZeRO engines, 'dcp' for DDP, FSDP2 and single-process runs."""
-    return "deepspeed" if engine.startswith("zero") else "dcp"
-
-
 def needs_universal(meta: dict, world_size: int) -> bool:
     """A DeepSpeed checkpoint resumed on another world size goes through DeepSpeed's universal checkpoint."""
     return meta["storage"] == "deepspeed" and meta["world_size"] != world_size
+
+
+# ---------------------------------------------------------------------------------------------- policy
+# Settings a resume may change without changing what is trained (where output goes, how often to save or log,
+# how long to train): any other setting that differs from the checkpoint's is reported when the run resumes.
+RUN_CONTROL_SETTINGS = ("resume", "overwrite", "max_steps", "output_dir", "report_to", "project", "group",
+                        "save_every", "keep_last", "eval_every", "collective_timeout_s", "async_save", "prompt",
+                        "max_new_tokens", "config")
+
+
+class Checkpointer:
+    """The checkpoint policy of one run, in one place (torchtitan's CheckpointManager is the model): where a run
+    resumes from, the metadata written with every checkpoint and checked on resume, the cadence (every
+    `save_every` steps and at the end), background saves and their completion, keep-last pruning, and the save
+    on SIGTERM/SIGINT/SIGUSR1 followed by a clean exit. The loop makes one call per step, `step(...)`:
+
+        checkpointer = Checkpointer(accelerator, engine, output_dir, resume=..., save_every=..., settings=...)
+        checkpointer.check_resume(model.config, global_batch_rows)      # before sharding / prepare
+        start_step = checkpointer.load(model, optimizer, hf_files=(config, tokenizer))   # after prepare
+        for step in ...:
+            ...
+            checkpointer.step(step, stop=values["stop"] > 0)            # saves when due; on a stop: saves, exits
+        final = checkpointer.finish()                                   # the final save; its path
+
+    Construct it on every rank (reads only); every other method must be called by every rank at the same point.
+    Background saves (`async_save`) need DCP storage (DDP, FSDP2); under DeepSpeed saves are synchronous.
+    """
+
+    def __init__(self, accelerator, engine: Engine, output_dir: str, *, resume: str, overwrite: bool,
+                 save_every: int, keep_last: int, max_steps: int, async_save: bool, seed: int, settings: dict):
+        self.accelerator, self.engine, self.output_dir = accelerator, engine, output_dir
+        self.save_every, self.keep_last, self.max_steps, self.seed = save_every, keep_last, max_steps, seed
+        self.use_async = async_save and engine.supports_async_save
+        self.settings = settings
+        self.resume_from = resolve_resume(output_dir, resume, overwrite)
+        self.resume_meta = read_metadata(self.resume_from) if self.resume_from else None
+        self.tracker_run_id: str | None = None  # set once the tracker exists; stored with every checkpoint
+        self._model = self._optimizer = None
+        self._hf_files, self._global_batch_rows, self._config_hash = (), None, None
+        self._pending: PendingSave | None = None
+        self._start_step = 0
+        stop_signals.catch_stop_signals()  # a stop signal now means: finish the step, save, exit
+
+    @property
+    def resumed_step(self) -> int | None:
+        """The step the run resumes after, or None for a fresh run."""
+        return self.resume_meta["step"] if self.resume_meta else None
+
+    @property
+    def resumed_tracker_run_id(self) -> str | None:
+        return (self.resume_meta or {}).get("tracker_run_id")
+
+    def stop_requested_here(self) -> float:
+        """1.0 if this process received a stop signal, else 0.0: reduce it (max) over ranks with the step's other
+        values, and pass the result to `step(stop=...)`, so that every rank stops at the same step."""
+        return 1.0 if stop_signals.received() else 0.0
+
+    def check_resume(self, model_config, global_batch_rows: int) -> None:
+        """Refuse an incompatible checkpoint before any expensive work (`UserError`), print what a compatible one
+        changes (global batch, settings), and [DeepSpeed] convert a checkpoint from another world size to a
+        universal one. Call it before sharding and `accelerator.prepare`, also on a fresh run (it records the
+        model's config hash and the global batch for the metadata)."""
+        self._config_hash, self._global_batch_rows = model_config_hash(model_config), global_batch_rows
+        if not self.resume_meta:
+            return
+        warnings = check_compatible(self.resume_meta, storage=self.engine.checkpoint_storage,
+                                    config_hash=self._config_hash, global_batch_rows=global_batch_rows)
+        warnings += changed_settings(self.resume_meta.get("settings", {}), self.settings)
+        for warning in warnings:
+            self.accelerator.print(f"warning: {warning}")
+        if self.engine.is_deepspeed:
+            prepare_deepspeed_resume(self.accelerator, self.resume_from, self.resume_meta)
+
+    def load(self, model, optimizer, *, hf_files=()) -> int:
+        """Remember what to save (`hf_files`: objects with `save_pretrained`, written to hf/), restore the
+        checkpoint being resumed if there is one, and return the step training continues after (0 if fresh)."""
+        self._model, self._optimizer, self._hf_files = model, optimizer, hf_files
+        if self.resume_from:
+            self._start_step = load(self.accelerator, model, optimizer, self.resume_from)["step"]
+        return self._start_step
+
+    def _metadata(self, step: int) -> dict:
+        return {"engine": self.engine.name, "storage": self.engine.checkpoint_storage,
+                "world_size": self.accelerator.num_processes, "global_batch_rows": self._global_batch_rows,
+                "examples_seen": step * self._global_batch_rows, "seed": self.seed,
+                "model_config_hash": self._config_hash, "tracker_run_id": self.tracker_run_id,
+                "versions": software_versions(), "settings": self.settings}
+
+    def _save(self, step: int) -> None:
+        """Save `step`, after completing a background save still in flight (one at a time)."""
+        self._complete_pending(step)
+        self._pending = save(self.accelerator, self._model, self._optimizer, self.output_dir, step,
+                             meta=self._metadata(step), keep_last=self.keep_last, hf_files=self._hf_files,
+                             use_async=self.use_async)
+
+    def step(self, step: int, *, stop: bool) -> None:
+        """After optimizer step `step`: save if `save_every` says so (the final step is saved by `finish`). With
+        `stop` (a stop signal reached any rank; every rank must pass the same value) save now, wait for the save,
+        and end the process on every rank with a line saying how to continue."""
+        if stop or (self.save_every and step % self.save_every == 0 and step != self.max_steps):
+            self._save(step)
+        if stop:
+            self._complete_pending(step)
+            name = stop_signals.received() or "a stop signal (on another rank)"
+            self.accelerator.print(f"\n{name} received: stopped after step {step} with a complete checkpoint in "
+                                   f"{self.output_dir}/checkpoints/step_{step}; continue with --resume auto.")
+            distributed.close_and_exit(self.accelerator)
+
+    def finish(self) -> Path | None:
+        """Complete any background save, save the final step (unless the run resumed at it), and return the
+        newest complete checkpoint: the one that holds the trained model."""
+        self._complete_pending(self.max_steps)
+        if self._start_step < self.max_steps:
+            self._save(self.max_steps)
+            self._complete_pending(self.max_steps)
+            return newest_complete(self.output_dir)
+        return self.resume_from
+
+    def _complete_pending(self, current_step: int) -> None:
+        if self._pending:  # `save` returns None when the checkpoint is already complete (synchronous)
+            self._pending.finish(current_step)
+            self._pending = None
+
+
+def changed_settings(saved: dict, current: dict) -> list[str]:
+    """One warning naming the settings (other than RUN_CONTROL_SETTINGS) whose resolved value differs from the
+    checkpoint's, e.g. "lr 0.003 -> 0.001"; [] when none does."""
+    changed = [f"{key} {saved[key]!r} -> {current[key]!r}" for key in sorted(set(saved) & set(current))
+               if key not in RUN_CONTROL_SETTINGS and saved[key] != current[key]]
+    if not changed:
+        return []
+    return [f"the run resumes with settings that differ from the checkpoint's: {', '.join(changed)}."]
 
 
 # ---------------------------------------------------------------------------------------------- saving
@@ -160,8 +292,6 @@ def save(accelerator, model, optimizer, output_dir: str, step: int, *, meta: dic
             future = dcp.async_save(state, checkpoint_id=str(tmp / DCP_DIR), process_group=_async_save_group())
         else:
             dcp.save(state, checkpoint_id=str(tmp / DCP_DIR))
-    if os.environ.get(_CRASH_ENV) == f"{accelerator.process_index}:{step}":
-        os.kill(os.getpid(), 9)
     pending = PendingSave(accelerator, output_dir, step, meta, keep_last, tmp, final, future)
     if future is None:
         pending.finish()
@@ -281,7 +411,7 @@ def prepare_deepspeed_resume(accelerator, path: Path, meta: dict) -> None:
         tmp.rename(target)
 
     # The main process converts (minutes for a big model); the others wait outside the collective timeout.
-    runtime.run_on_main_process(accelerator, convert)
+    distributed.run_on_main_process(accelerator, convert)
     accelerator.state.deepspeed_plugin.deepspeed_config["checkpoint"] = {"load_universal": True}
 
 

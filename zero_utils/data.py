@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from zero_utils import runtime
+from zero_utils import distributed
 from zero_utils.errors import UserError
 
 BUNDLED_DATASET = str(Path(__file__).resolve().parent / "assets" / "sft_tiny.jsonl")
@@ -297,11 +297,18 @@ def build_sft_datasets(accelerator, tokenizer, dataset: str, seq_len: int, eval_
                 "chat_template": bool(tokenizer.chat_template), "cache_files_written": cache_files_written}
         return train, evald, info
 
-    return runtime.main_process_first(accelerator, prepare)
+    return distributed.main_process_first(accelerator, prepare)
 
 
 def _files_in(directories) -> set[str]:
     return {os.path.join(d, f) for d in directories if os.path.isdir(d) for f in os.listdir(d)}
+
+
+def check_seq_len(seq_len: int, max_position_embeddings: int) -> None:
+    """Raise `UserError` when packed rows of `seq_len` tokens are longer than the model's positions."""
+    if seq_len > max_position_embeddings:
+        raise UserError(f"--seq_len {seq_len} exceeds the model's max_position_embeddings "
+                        f"({max_position_embeddings}); lower --seq_len.")
 
 
 def check_enough_rows(num_rows: int, global_batch_size: int) -> None:
@@ -325,6 +332,21 @@ def global_batch_indices(num_rows: int, global_batch_size: int, step: int, seed:
     order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
     start = batch_in_epoch * global_batch_size
     return order[start:start + global_batch_size].tolist()
+
+
+def loss_tokens_per_row(rows, chunk_rows: int = 4096) -> torch.Tensor:
+    """Answer (loss) tokens in each packed row: int64 [num_rows], counted once, `chunk_rows` rows at a time.
+
+    Every rank holds every row, so with these counts each rank knows a global batch's token count without a
+    collective (see `global_batch_loss_tokens`)."""
+    counts = [(rows[start:start + chunk_rows]["labels"] != IGNORE_INDEX).sum(1)
+              for start in range(0, len(rows), chunk_rows)]
+    return torch.cat(counts).to(torch.int64) if counts else torch.zeros(0, dtype=torch.int64)
+
+
+def global_batch_loss_tokens(loss_tokens_per_row: torch.Tensor, indices: list[int]) -> int:
+    """Answer tokens of the global batch made of rows `indices` (all ranks' micro-batches together)."""
+    return int(loss_tokens_per_row[indices].sum())
 
 
 def rank_rows(indices: list[int], rank: int, world_size: int, per_device_batch_size: int,

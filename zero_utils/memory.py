@@ -1,4 +1,5 @@
-"""Memory per GPU: what the ZeRO formulas predict for each engine, and what a rank really holds.
+"""Memory per GPU, predicted: the ZeRO formulas for each engine's model states, activation and transient
+estimates, and the estimator CLI. What a rank really holds is measured by zero_utils.measure.
 
 Model states are parameters + gradients + optimizer state (AdamW: an fp32 master copy where the engine keeps one,
 plus two fp32 moments). Formulas (Psi = trainable parameters, N = ranks sharing the shards; the ZeRO paper's
@@ -29,7 +30,7 @@ Transient peaks (engine buffers and gathered parameters, in the compute dtype, o
     zero1/zero2  reduce bucket + allgather bucket (DeepSpeed default 5e8 elements).
     zero3        live parameters (stage3_max_live_parameters, 1e9 elements, an upper bound) + reduce bucket
                  + prefetch bucket + persistent small params (<= 10 h elements each). Bucket sizes are those
-                 zero_utils.runtime.deepspeed_bucket_elements sets: accelerate's "auto" (h^2, 0.9 h^2 elements),
+                 zero_utils.accelerator.deepspeed_bucket_elements sets: accelerate's "auto" (h^2, 0.9 h^2 elements),
                  at least 25 MiB of fp32 elements each.
     fsdp2        the output-head group, kept gathered (zero_utils.wrapping), + the unit being computed and the
                  prefetched next one (2 x the largest unit) + that unit's gradient during backward.
@@ -41,18 +42,17 @@ fragmentation. CLI: `python -m zero_utils.memory --params 7B --num_gpus 8` (see 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import re
-import resource
 import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
+from zero_utils.accelerator import deepspeed_bucket_elements
+from zero_utils.engine import Engine
 from zero_utils.errors import UserError
-from zero_utils.runtime import deepspeed_bucket_elements
 
 # accelerate_configs/<name>.yaml, in the order the estimator recommends them: least communication first.
 ENGINES = ("ddp", "zero1", "zero2", "fsdp2_zero2", "zero3", "fsdp2", "zero3_offload", "fsdp2_offload")
@@ -96,8 +96,13 @@ _BYTES_PER_PARAM = {
         "fsdp2": {"params": (0, 2), "grads": (0, 2), "master": (0, 4), "moments": (0, 8)},
     },
 }
-_TABLE_ROW = {"single": "ddp", "ddp": "ddp", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3",
-              "fsdp2": "fsdp2", "fsdp2_zero2": "fsdp2", "fsdp2_hsdp": "fsdp2"}
+
+
+def _table_row(engine: Engine) -> str:
+    """The formula row an engine uses: FSDP2's variants store what fsdp2 stores; single process is DDP's row."""
+    if engine.is_data_parallel_only:
+        return "ddp"
+    return "fsdp2" if engine.is_fsdp2 else f"zero{engine.zero_stage}"
 
 
 def _precision(mixed_precision: str | None) -> str:
@@ -108,25 +113,26 @@ def _precision(mixed_precision: str | None) -> str:
     raise UserError(f"unknown precision {mixed_precision!r}; use fp32 (accelerate's 'no') or bf16.")
 
 
-def _split_engine(engine: str) -> tuple[str, bool]:
-    base = engine.removesuffix("_offload")
-    if base not in _TABLE_ROW or (base != engine and base in ("ddp", "single")):
-        raise UserError(f"unknown engine {engine!r}; use one of: {', '.join(ENGINES)}.")
-    return base, base != engine
+def _engine(engine: str | Engine) -> Engine:
+    try:
+        return Engine.parse(str(engine))
+    except ValueError:
+        raise UserError(f"unknown engine {engine!r}; use one of: {', '.join(ENGINES)}.") from None
 
 
-def _offloaded_kinds(base: str, named_offload: bool, offload_optimizer: bool | None,
-                     offload_params: bool | None) -> set[str]:
-    optimizer = named_offload if offload_optimizer is None else offload_optimizer
-    params = (named_offload and base not in ("zero1", "zero2")) if offload_params is None else offload_params
-    if base in ("ddp", "single") and (optimizer or params):
+def _offloaded_kinds(engine: Engine, offload_optimizer: bool | None, offload_params: bool | None) -> set[str]:
+    whole_params = engine.is_deepspeed and engine.zero_stage < 3  # ZeRO-1/2 keep whole parameters on every GPU
+    optimizer = engine.offload if offload_optimizer is None else offload_optimizer
+    params = (engine.offload and not whole_params) if offload_params is None else offload_params
+    base = Engine(engine.family, engine.zero_stage, hsdp=engine.hsdp).name
+    if engine.is_data_parallel_only and (optimizer or params):
         raise UserError(f"{base} cannot offload to the CPU; use zero3_offload or fsdp2_offload.")
-    if base in ("zero1", "zero2") and params:
+    if whole_params and params:
         raise UserError(f"{base} keeps whole parameters on every GPU and cannot offload them; use zero3_offload.")
-    if base.startswith("fsdp2") and optimizer != params:
+    if engine.is_fsdp2 and optimizer != params:
         raise UserError("FSDP2 offloads parameters, gradients and optimizer state together (CPUOffloadPolicy); "
                         "offload both or neither.")
-    if base.startswith("fsdp2"):
+    if engine.is_fsdp2:
         return set(_KINDS) if params else set()
     # DeepSpeed's CPU Adam updates the fp32 master on the host from gradient partitions copied there.
     return ({"grads", "optimizer"} if optimizer else set()) | ({"params"} if params else set())
@@ -168,7 +174,7 @@ def model_state_bytes(engine: str, num_params: int, world_size: int, mixed_preci
     offloaded sharded parts are counted in `cpu`, not `gpu`. `formula`: 'engine' (what DeepSpeed 0.19.8 / torch
     2.13 really hold, measured) or 'paper' (the ZeRO paper's 2 + 2 + 12 bytes, for mixed precision).
     """
-    base, named_offload = _split_engine(engine)
+    engine = _engine(engine)
     if optimizer not in OPTIMIZERS:
         raise UserError(f"unknown optimizer {optimizer!r}; use one of: {', '.join(OPTIMIZERS)}.")
     group = shard_group_size or world_size
@@ -177,8 +183,8 @@ def model_state_bytes(engine: str, num_params: int, world_size: int, mixed_preci
     if formula not in ("engine", "paper"):
         raise UserError(f"unknown formula {formula!r}; use 'engine' or 'paper'.")
     precision = _precision(mixed_precision)
-    row = _BYTES_PER_PARAM["paper" if formula == "paper" else precision][_TABLE_ROW[base]]
-    on_cpu = _offloaded_kinds(base, named_offload, offload_optimizer, offload_params)
+    row = _BYTES_PER_PARAM["paper" if formula == "paper" else precision][_table_row(engine)]
+    on_cpu = _offloaded_kinds(engine, offload_optimizer, offload_params)
     moments = row["moments"] if optimizer == "adamw" else (0, 0)
     gpu, cpu = dict.fromkeys(_KINDS, 0), dict.fromkeys(_KINDS, 0)
 
@@ -222,21 +228,21 @@ def sharding_remainder_bytes(engine: str, param_groups: list[list[tuple[int, ...
       `params_in_partition`), so the parameters cut by a partition border count in full.
     Engines: fsdp2*, zero1, zero2, zero3 (+_offload); 0 for ddp/single.
     """
-    base = engine.removesuffix("_offload")
+    engine = _engine(engine)
     n = world_size
     numels = [[_numel(shape) for shape in group] for group in param_groups]
     total = sum(map(sum, numels))
     even = total / n
     precision = _precision(mixed_precision)
-    row = _BYTES_PER_PARAM[precision][_TABLE_ROW.get(base, "ddp")]
+    row = _BYTES_PER_PARAM[precision][_table_row(engine)]
     sharded_bytes = sum(row[k][1] for k in ("params", "grads", "master", "moments"))
-    if base.startswith("fsdp2"):
+    if engine.is_fsdp2:
         held = sum(-(-shape[0] // n) * _numel(shape[1:]) for group in param_groups for shape in group if shape)
         return round((held - even) * sharded_bytes)
-    if base == "zero3":
+    if engine.is_deepspeed and engine.zero_stage == 3:
         held = sum(-(-numel // n) for group in numels for numel in group)
         return round((held - even) * sharded_bytes)
-    if base in ("zero1", "zero2"):
+    if engine.is_deepspeed:  # ZeRO-1/2
         grad_bytes = 4 if precision == "fp32" else 2  # the 16-bit (here: param-dtype) gradients of whole params
         in_partition = [0] * n
         for group in numels:
@@ -264,147 +270,6 @@ def _numel(shape) -> int:
     for dim in shape:
         count *= dim
     return count
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if hasattr(t, "_local_tensor") else t
-
-
-def _storage_key_and_bytes(t: torch.Tensor):
-    t = _local(t)
-    storage = t.untyped_storage()
-    return storage.data_ptr(), storage.nbytes()
-
-
-def measure_model_state_bytes(model: torch.nn.Module, optimizer) -> dict:
-    """Bytes this rank holds in parameters, gradients and optimizer state, walked from the live tensors.
-
-    Counts each storage once (views into DeepSpeed's flat buffers or DDP's gradient buckets are not counted
-    twice). Covers DTensor local shards (FSDP2), DeepSpeed partitions and fp32 master copies, and the optimizer's
-    state tensors. Returns {'params', 'grads', 'optimizer', 'total'} in bytes. Communication buckets (DDP's
-    reducer, DeepSpeed's reduce and prefetch buckets) are not model states and are not counted; they show in the
-    peak memory (`peak_memory`). DDP's live in C++; with `gradient_as_bucket_view=True` (zero_utils.runtime) they
-    are the gradients themselves. Engines: all.
-    """
-    seen: set[int] = set()
-    counts = {"params": 0, "grads": 0, "optimizer": 0}
-
-    def add(kind: str, t) -> None:
-        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
-            return
-        key, nbytes = _storage_key_and_bytes(t)
-        if key in seen or nbytes == 0:
-            return
-        seen.add(key)
-        counts[kind] += nbytes
-
-    module = getattr(model, "module", model)
-    for p in module.parameters():
-        add("params", p.ds_tensor if hasattr(p, "ds_tensor") else p)
-        add("grads", p.grad)
-    zero_opt = getattr(getattr(optimizer, "optimizer", optimizer), "optimizer", None)
-    inner = getattr(optimizer, "optimizer", optimizer)
-    deepspeed_opt = inner if hasattr(inner, "loss_scaler") or hasattr(inner, "partition_count") else None
-    if deepspeed_opt is not None:
-        for name in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):  # fp32 master partitions
-            for master in getattr(deepspeed_opt, name, []) or []:
-                add("optimizer", master)
-                add("grads", master.grad)
-        for name in ("averaged_gradients", "grad_partitions_flat_buffer"):
-            held = getattr(deepspeed_opt, name, None)
-            values = held.values() if isinstance(held, dict) else [held]
-            for v in values:
-                for t in (v if isinstance(v, (list, tuple)) else [v]):
-                    add("grads", t)
-        base = deepspeed_opt.optimizer
-    else:
-        base = zero_opt if zero_opt is not None and hasattr(zero_opt, "state") else inner
-    for state in getattr(base, "state", {}).values():
-        for t in state.values():
-            add("optimizer", t)
-    counts["total"] = counts["params"] + counts["grads"] + counts["optimizer"]
-    return counts
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    """Peak memory of this process: the CUDA caching allocator's allocated peak on GPU (since the last
-    `reset_peak_memory`), the RSS high-water mark on CPU (since the process started)."""
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
-
-
-def reset_peak_memory(device: torch.device) -> None:
-    """Start the peaks of `peak_memory` afresh, e.g. once set-up (loading, sharding, prepare) is done, so they show
-    training alone. CUDA only: the CPU figure is the process's RSS high-water mark, which is not reset."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def peak_memory(device: torch.device) -> dict[str, int]:
-    """This process's memory peaks, in bytes. CUDA: {"peak_mem_bytes": most bytes allocated in tensors,
-    "peak_reserved_bytes": most bytes the caching allocator held (nvidia-smi shows this plus the CUDA context)},
-    since the last `reset_peak_memory`. CPU: {"peak_mem_bytes": the RSS high-water mark}. Engines: all."""
-    if device.type == "cuda":
-        return {"peak_mem_bytes": int(torch.cuda.max_memory_allocated(device)),
-                "peak_reserved_bytes": int(torch.cuda.max_memory_reserved(device))}
-    return {"peak_mem_bytes": peak_memory_bytes(device)}
-
-
-def peak_memory_measured(device: torch.device) -> str:
-    """What `peak_memory` measured on `device`, in words, for summary.json."""
-    if device.type == "cuda":
-        return ("CUDA caching allocator per rank since training began (after set-up): peak_mem_bytes = "
-                "max_memory_allocated, peak_reserved_bytes = max_memory_reserved (nvidia-smi adds the CUDA context)")
-    return "process RSS high-water mark per rank (CPU: includes set-up and host libraries)"
-
-
-@contextlib.contextmanager
-def count_saved_activations(result: dict):
-    """Count the bytes autograd saves for backward inside the block (a forward pass) into `result["saved"]`, the
-    first time only; parameters saved by reference are not activations and are not counted.
-
-    This is the activation memory of a forward pass, measured exactly and on any device: with activation
-    checkpointing only the block inputs are saved, the rest is recomputed in backward. Engines: all.
-    """
-    if "saved" in result:
-        yield
-        return
-    seen: set[int] = set()
-    total = 0
-
-    def pack(tensor):
-        nonlocal total
-        if tensor.is_leaf and tensor.requires_grad:  # a parameter, held anyway
-            return tensor
-        key, nbytes = _storage_key_and_bytes(tensor)
-        if key not in seen:
-            seen.add(key)
-            total += nbytes
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        yield
-    result["saved"] = total
-
-
-def after_inner_step_once(optimizer, callback) -> None:
-    """Call `callback()` once, right after the first step of the innermost torch optimizer (the one that updates
-    the weights), while gradients are still held.
-
-    Under DeepSpeed that step runs inside `accelerator.backward`, so a hook is the only way to see this moment;
-    the same hook gives every engine the same moment of measurement. Engines: all.
-    """
-    inner = optimizer
-    while hasattr(inner, "optimizer"):  # accelerate wrapper -> DeepSpeed ZeRO optimizer -> torch optimizer
-        inner = inner.optimizer
-    handle = None
-
-    def hook(*_):
-        handle.remove()
-        callback()
-
-    handle = inner.register_step_post_hook(hook)
 
 
 @dataclass(frozen=True)
@@ -495,22 +360,22 @@ def activation_bytes(arch: Architecture, *, seq_len: int, micro_batch_size: int,
 def transient_bytes(engine: str, arch: Architecture, *, dtype: str = "bf16", trainable_fraction: float = 1.0) -> int:
     """Bytes each engine adds at its peak beyond model states: buckets and gathered parameters in the compute
     dtype (the module docstring lists them per engine). Engines: all of ENGINES."""
-    base, _ = _split_engine(engine)
+    engine = _engine(engine)
     element_bytes = 4 if dtype == "fp32" else 2
     psi, h = arch.num_params, arch.hidden_size
-    if base in ("ddp", "single"):
+    if engine.is_data_parallel_only:
         return 25 * 2**20  # torch's bucket_cap_mb default
     buckets = deepspeed_bucket_elements(h)
     reduce_bucket, prefetch_bucket = buckets["reduce_bucket_size"], buckets["stage3_prefetch_bucket_size"]
-    if base in ("zero1", "zero2"):
+    if engine.is_deepspeed and engine.zero_stage < 3:
         return element_bytes * (min(reduce_bucket, psi) + min(500_000_000, psi))
-    if base == "zero3":
+    if engine.is_deepspeed:  # ZeRO-3
         gathered = (min(1_000_000_000, psi) + min(reduce_bucket, psi) + min(prefetch_bucket, psi)
                     + arch.persistent_params)
         return element_bytes * gathered
     unit = max(arch.block_params, arch.embed_params)
     unit_grad = element_bytes * int(unit * trainable_fraction)
-    if base == "fsdp2_zero2":
+    if engine.zero_stage == 2:  # fsdp2_zero2
         return element_bytes * psi + unit_grad
     return element_bytes * (arch.head_params + 2 * unit) + unit_grad
 
@@ -554,12 +419,12 @@ class EngineEstimate:
 
 def _offload_for(engine: str, setup: Setup) -> tuple[bool | None, bool | None]:
     """The offload flags, applied where the engine can do them; the `_offload` configs keep their own."""
-    base, named_offload = _split_engine(engine)
-    if named_offload or base in ("ddp", "single"):
+    engine = _engine(engine)
+    if engine.offload or engine.is_data_parallel_only:
         return None, None
-    if base.startswith("fsdp2"):  # CPUOffloadPolicy moves params, and with them grads and optimizer state
+    if engine.is_fsdp2:  # CPUOffloadPolicy moves params, and with them grads and optimizer state
         return setup.offload_params, setup.offload_params
-    return setup.offload_optimizer, setup.offload_params and base == "zero3"
+    return setup.offload_optimizer, setup.offload_params and engine.shards_params
 
 
 def estimate(setup: Setup, engines=ENGINES) -> list[EngineEstimate]:
@@ -577,7 +442,7 @@ def estimate(setup: Setup, engines=ENGINES) -> list[EngineEstimate]:
     results = []
     for engine in engines:
         offload_optimizer, offload_params = _offload_for(engine, setup)
-        group = setup.num_gpus if setup.hsdp and engine.startswith("fsdp2") else world
+        group = setup.num_gpus if setup.hsdp and _engine(engine).is_fsdp2 else world
         states = model_state_bytes(engine, trainable, world, setup.dtype, optimizer=setup.optimizer,
                                    frozen_params=setup.num_params - trainable, shard_group_size=group,
                                    offload_optimizer=offload_optimizer, offload_params=offload_params,
@@ -611,7 +476,7 @@ def launch_command(engine: str, num_gpus: int, num_nodes: int = 1, hsdp: bool = 
     if num_nodes > 1:
         line += (f" --num_machines {num_nodes} --machine_rank <0..{num_nodes - 1}> --main_process_ip <node 0 address>"
                  " --main_process_port 29500")
-        if hsdp and engine.startswith("fsdp2"):
+        if hsdp and _engine(engine).is_fsdp2:
             line += f" --parallelism_config_dp_replicate_size {num_nodes} --parallelism_config_dp_shard_size {num_gpus}"
     return line + " recipes/llama_zero3.py"
 

@@ -184,6 +184,23 @@ def count_parameters(model, trainable_only: bool = False) -> int:
     return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad or not trainable_only)
 
 
+def gather_trainable_state_dict(model, accelerator) -> dict:
+    """The trainable parameters (LoRA: the adapters) as whole CPU tensors {name: tensor} on the main process, {} on
+    the others, gathered one tensor at a time: the frozen base is never gathered, so a few-MB adapter costs a
+    few MB, not the full model. Names are those of the unwrapped model (`accelerator.unwrap_model`), as PEFT's
+    `save_pretrained(state_dict=...)` expects. Every rank must call it (sharded tensors are collectives).
+    Engines: all."""
+    from zero_utils.distributed import gathered
+
+    state = {}
+    for name, param in accelerator.unwrap_model(model).named_parameters():
+        if param.requires_grad:
+            full = gathered(param)
+            if accelerator.is_main_process:
+                state[name] = full
+    return state
+
+
 def quantization_config(qlora: bool):
     """The 4-bit (NF4) bitsandbytes config of QLoRA, or None. QLoRA needs a CUDA GPU and the bitsandbytes package:
     anything else is a `UserError`. The 4-bit weights are stored as bf16 elements so FSDP2 and ZeRO-3 can shard

@@ -10,8 +10,9 @@ from __future__ import annotations
 import json
 import netrc
 import os
-import platform
 from pathlib import Path
+
+from zero_utils.versions import software_versions
 
 
 def trackers_for(report_to: str) -> list[str] | None:
@@ -36,8 +37,9 @@ class RunTracker:
 
     Files under `output_dir`: `metrics.jsonl` and `summary.json` (written at the end). A fresh run starts
     metrics.jsonl anew; a run resumed at `resume_step` keeps the lines up to that step (an interrupted run may
-    have logged steps after its last checkpoint) and appends. With W&B and no credentials the run is written
-    offline under `output_dir/wandb` and one line says how to sync it.
+    have logged steps after its last checkpoint) and appends. The software versions are added to the tracker's
+    config (`version_<name>`) and to the summary (`versions`), with the W&B run id (`tracker_run_id`). With W&B
+    and no credentials the run is written offline under `output_dir/wandb` and one line says how to sync it.
     """
 
     def __init__(self, accelerator, output_dir: str, report_to: str, project: str, run_name: str, config: dict,
@@ -58,6 +60,7 @@ class RunTracker:
             init_kwargs["wandb"] = {"dir": str(self.output_dir), "name": run_name, "group": group}
             if resume_run_id:  # the resumed run continues the same W&B run: one curve, not two
                 init_kwargs["wandb"].update(id=resume_run_id, resume="allow")
+        config = {**config, **{f"version_{k}": v for k, v in software_versions().items()}}
         accelerator.init_trackers(project, config=_loggable(config), init_kwargs=init_kwargs)
         if self.is_main and "wandb" in self.trackers and os.environ.get("WANDB_MODE") == "offline":
             run_dir = accelerator.get_tracker("wandb", unwrap=True).dir
@@ -83,6 +86,7 @@ class RunTracker:
 
     def write_summary(self, summary: dict) -> None:
         """Write summary.json (and the tracker's run summary) on the main process."""
+        summary = {**summary, "versions": software_versions(), "tracker_run_id": self.run_id}
         if self.is_main:
             (self.output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
             if "wandb" in self.trackers:
@@ -96,23 +100,6 @@ def _restart_metrics(path: Path, resume_step: int | None) -> None:
         return
     kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= resume_step]
     path.write_text("".join(line + "\n" for line in kept))
-
-
-def software_versions() -> dict:
-    """Versions that decide how a run behaves: python, torch, accelerate, transformers, deepspeed."""
-    import accelerate
-    import torch
-    import transformers
-
-    versions = {"python": platform.python_version(), "torch": torch.__version__,
-                "accelerate": accelerate.__version__, "transformers": transformers.__version__}
-    try:
-        import deepspeed
-
-        versions["deepspeed"] = deepspeed.__version__
-    except ImportError:
-        versions["deepspeed"] = None
-    return versions
 
 
 def _loggable(config: dict) -> dict:

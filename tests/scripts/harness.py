@@ -1,9 +1,18 @@
 """Run a recipe unchanged, with probes attached from outside (no line in a recipe exists for a test):
 
-    accelerate launch ... tests/scripts/harness.py --output_dir DIR recipe-flags...
+    ZERO_RECIPES_HARNESS_RECIPE=recipes/llama_zero3.py accelerate launch ... tests/scripts/harness.py flags...
 
-The recipe and the probes come from the environment:
+tests/conftest.py's `launch` runs every recipe through it. What it always adds, at the recipe's
+`tracker.write_summary` (a point every rank reaches with the trained model still live):
+    summary.json  + "sharding_per_rank" (zero_utils.evidence.sharding_evidence of each rank),
+                  + "first_step_rows_per_rank" (the data rows each rank trained on in its first step),
+                  + "data_cache_files_written_per_rank" (datasets cache files each rank wrote: the main one only)
+    probe_logits.safetensors  fp32 logits at the last position of --prompt (exports are checked against them)
+Switched on by the environment:
     ZERO_RECIPES_HARNESS_RECIPE          the recipe to run (default recipes/llama_zero3.py)
+    ZERO_RECIPES_HARNESS_VERIFY_REPLICAS=1  + "weights_digest_per_rank": SHA-256 of the gathered weights per rank
+    ZERO_RECIPES_HARNESS_KILL_RANK_DURING_SAVE=R:S  rank R dies (SIGKILL) once its shards of step S are written,
+                                         before the checkpoint is completed
     ZERO_RECIPES_HARNESS_SLOW_PREP_S     the first example tokenized in this process waits this long first
                                          (a data preparation of hours, in seconds)
     ZERO_RECIPES_HARNESS_SLOW_EXPORT_S   the final export waits this long first
@@ -21,6 +30,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+_seen: dict = {}  # what the recipe built, captured on its way through zero_utils and accelerate
+
 
 def _slow_first_call(fn, seconds: float):
     waited = []
@@ -34,8 +45,71 @@ def _slow_first_call(fn, seconds: float):
     return wrapper
 
 
+def _capture(name: str, fn, keep=lambda result, *args, **kwargs: result):
+    def wrapper(*args, **kwargs):
+        result = fn(*args, **kwargs)
+        _seen.setdefault(name, keep(result, *args, **kwargs))
+        return result
+
+    return wrapper
+
+
+def _attach_probes() -> None:
+    import accelerate
+
+    from zero_utils import checkpoint, data, model, tracking
+
+    model.load_tokenizer = _capture("tokenizer", model.load_tokenizer)
+    data.build_sft_datasets = _capture("data", data.build_sft_datasets)
+    accelerate.Accelerator.prepare = _capture("prepared", accelerate.Accelerator.prepare,
+                                              lambda result, accelerator, *args: (accelerator, result))
+    # The rows of the first step this rank trains: rank_micro_batches(rows, indices, rank, world, b, accum, device)
+    data.rank_micro_batches = _capture(
+        "first_step_rows", data.rank_micro_batches,
+        lambda result, rows, indices, rank, world, b, accum, device: sum(data.rank_rows(indices, rank, world, b, accum),
+                                                                         []))
+    write_summary = tracking.RunTracker.write_summary
+
+    def write_summary_with_evidence(tracker, summary):
+        write_summary(tracker, {**summary, **_evidence()})
+
+    tracking.RunTracker.write_summary = write_summary_with_evidence
+    kill = os.environ.get("ZERO_RECIPES_HARNESS_KILL_RANK_DURING_SAVE")
+    if kill:
+        finish = checkpoint.PendingSave.finish
+
+        def finish_or_die(pending, *args, **kwargs):
+            if kill == f"{pending.accelerator.process_index}:{pending.step}":
+                os.kill(os.getpid(), 9)
+            return finish(pending, *args, **kwargs)
+
+        checkpoint.PendingSave.finish = finish_or_die
+
+
+def _evidence() -> dict:
+    """Every rank's view of the run (gathered: every rank must be here), and the probe logits on the main one."""
+    from accelerate.utils import gather_object
+    from safetensors.torch import save_file
+
+    from zero_utils import evidence, generate
+
+    accelerator, (model, optimizer) = _seen["prepared"]
+    cfg = _seen["settings"]
+    found = {
+        "first_step_rows_per_rank": gather_object([_seen.get("first_step_rows", [])]),
+        "sharding_per_rank": gather_object([evidence.sharding_evidence(model, optimizer)]),
+        "data_cache_files_written_per_rank": gather_object([_seen["data"][2]["cache_files_written"]]),
+        "weights_digest_per_rank": gather_object([evidence.weights_digest(model)])
+        if os.environ.get("ZERO_RECIPES_HARNESS_VERIFY_REPLICAS") == "1" else None,
+    }
+    logits = generate.last_position_logits(model, _seen["tokenizer"], cfg.prompt, accelerator.device)
+    if accelerator.is_main_process:
+        save_file({"logits": logits}, f"{cfg.output_dir}/probe_logits.safetensors")
+    return found
+
+
 def main() -> None:
-    from zero_utils import checkpoint, data
+    from zero_utils import checkpoint, cli, data
 
     if os.environ.get("ZERO_RECIPES_HARNESS_SLOW_PREP_S"):
         data.tokenize_example = _slow_first_call(data.tokenize_example,
@@ -46,9 +120,16 @@ def main() -> None:
         import varlen_probe
 
         varlen_probe.install()
+    _attach_probes()
     recipe = REPO / os.environ.get("ZERO_RECIPES_HARNESS_RECIPE", "recipes/llama_zero3.py")
     sys.argv = [str(recipe), *sys.argv[1:]]
-    runpy.run_path(str(recipe), run_name="__main__")
+    module = runpy.run_path(str(recipe), run_name="recipe_under_harness")  # defines main and Settings, runs nothing
+
+    def recipe_main(settings):
+        _seen["settings"] = settings
+        module["main"](settings)
+
+    cli.run_recipe(recipe_main, module["Settings"], module["__doc__"])
 
 
 if __name__ == "__main__":

@@ -23,7 +23,9 @@ from accelerate.utils import gather_object
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from zero_utils import runtime, wrapping
+from zero_utils import wrapping
+from zero_utils.accelerator import build_accelerator
+from zero_utils.engine import Engine
 from zero_utils.model import BUNDLED_MODEL, count_parameters, load_causal_lm
 
 
@@ -41,9 +43,9 @@ parser.add_argument("--output_dir", required=True)
 parser.add_argument("--naive", action="store_true")
 args = parser.parse_args()
 
-accelerator = runtime.build_accelerator(per_device_batch_size=1, gradient_accumulation_steps=1, max_grad_norm=1.0)
-engine = runtime.engine_name(accelerator)
-fsdp = engine.startswith("fsdp2")
+accelerator = build_accelerator(per_device_batch_size=1, gradient_accumulation_steps=1, max_grad_norm=1.0)
+engine = Engine.of(accelerator)
+fsdp = engine.is_fsdp2
 if args.naive:
     accelerator.state.fsdp_plugin.cpu_ram_efficient_loading = False
 # Warm-up on the bundled tiny model: imports, allocator arenas and communication buffers are paid before measuring.

@@ -18,7 +18,9 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
-from zero_utils import runtime, wrapping
+from zero_utils import wrapping
+from zero_utils.accelerator import build_accelerator
+from zero_utils.engine import Engine
 from zero_utils.model import BUNDLED_MODEL, load_causal_lm
 
 parser = argparse.ArgumentParser()
@@ -28,7 +30,7 @@ parser.add_argument("--no_embedding_group", action="store_true")
 parser.add_argument("--prefetch_blocks", type=int, default=1)
 args = parser.parse_args()
 
-accelerator = runtime.build_accelerator(per_device_batch_size=1, gradient_accumulation_steps=1, max_grad_norm=1.0)
+accelerator = build_accelerator(per_device_batch_size=1, gradient_accumulation_steps=1, max_grad_norm=1.0)
 torch.manual_seed(0)
 model = load_causal_lm(BUNDLED_MODEL, accelerator=accelerator)
 sizes = {name: p.numel() * p.element_size() for name, p in model.named_parameters()}
@@ -72,7 +74,7 @@ if accelerator.is_main_process:
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     report = {"unsharded_bytes": unsharded, "full_param_bytes": sum(sizes.values()), **group_bytes,
               "max_blocks_gathered_in_forward": max(gathered_per_block_forward),
-              "engine": runtime.engine_name(accelerator)}
+              "engine": Engine.of(accelerator).name}
     (Path(args.output_dir) / "report.json").write_text(json.dumps(report))
 accelerator.wait_for_everyone()
 accelerator.end_training()

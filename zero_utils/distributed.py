@@ -1,0 +1,142 @@
+"""Collective helpers every recipe needs: one reduction of a step's numbers, work on the main process alone
+(outside the collective timeout), and the end of a run.
+
+Every function here must be called by every rank at the same point, unless its docstring says otherwise.
+This module is a bottom layer: it imports only zero_utils.errors.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from zero_utils.errors import UserError
+
+
+def max_over_ranks(accelerator, values: dict[str, int]) -> dict[str, int]:
+    """Element-wise maximum over all ranks of a dict of integers (bytes), in one small all-reduce."""
+    keys = sorted(values)
+    stacked = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=accelerator.device)
+    reduced = accelerator.reduce(stacked, "max") if accelerator.num_processes > 1 else stacked
+    return {k: int(v) for k, v in zip(keys, reduced.tolist(), strict=True)}
+
+
+_main_process_works = [0]  # calls of run_on_main_process so far: the same count on every rank
+
+
+def run_on_main_process(accelerator, work, *, poll_s: float = 1.0):
+    """Run `work()` on the main process alone while every other rank waits for it, for as long as it takes.
+
+    Host-side work of one rank (data preparation: hours for a big corpus; the final export; a LoRA merge) must not
+    be bounded by the collective timeout (`--collective_timeout_s`): a rank waiting in a barrier or broadcast for
+    longer fails the job. The others therefore wait outside any collective, polling a key in the process group's
+    key-value store (the rendezvous TCPStore) every `poll_s` seconds at most. An exception on the main process
+    reaches every rank: a `UserError` with the same sentence, anything else as a `RuntimeError` naming it (the
+    main process re-raises the original). If the main process dies instead, the launcher ends every rank.
+    Returns `work()`'s result on the main process and None on the others. Every rank must call it. Engines: all.
+    """
+    import json
+    import time
+
+    import torch.distributed as dist
+
+    if accelerator.num_processes == 1 or not dist.is_initialized():
+        return work()
+    _main_process_works[0] += 1
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    key = f"zero_recipes/main_process_work/{attempt}/{_main_process_works[0]}"
+    store = dist.distributed_c10d._get_default_store()
+    if accelerator.is_main_process:
+        try:
+            result = work()
+        except UserError as exc:
+            store.set(key, json.dumps({"user_error": str(exc)}))
+            raise
+        except BaseException as exc:
+            store.set(key, json.dumps({"failed": f"{type(exc).__name__}: {exc}"}))
+            raise
+        store.set(key, json.dumps({}))
+        return result
+    wait_s = 0.01
+    while not store.check([key]):
+        time.sleep(wait_s)
+        wait_s = min(2 * wait_s, poll_s)
+    outcome = json.loads(store.get(key))
+    if "user_error" in outcome:
+        raise UserError(outcome["user_error"])
+    if "failed" in outcome:
+        raise RuntimeError(f"the main process failed in work the other ranks waited for: {outcome['failed']}")
+    return None
+
+
+def main_process_first(accelerator, work):
+    """Run `work()` on the main process, then on the others (which then find its results in caches), and
+    return its result on every rank.
+
+    The others wait for the main process with `run_on_main_process`, so a preparation of hours is not cut off
+    by the collective timeout, and a `UserError` raised on the main process reaches every rank (all raise it with
+    the same sentence) instead of leaving the others waiting forever.
+    """
+    result = run_on_main_process(accelerator, work)
+    if not accelerator.is_main_process:
+        result = work()
+    return result
+
+
+def reduce_step_values(accelerator, *, sums: dict[str, torch.Tensor | float],
+                       maxes: dict[str, torch.Tensor | float]) -> dict[str, float]:
+    """Sum `sums` and take the maximum of `maxes` over all ranks in one small collective, and bring the results to
+    the host in one sync: a training step's bookkeeping (loss, memory peaks, a stop flag) costs one all-gather of
+    a (ranks x values) float64 tensor instead of one all-reduce and one `.item()` each. Values are scalars
+    (0-dim tensors on any device, or Python numbers). Returns {name: float} for every key of both dicts."""
+    keys = [*sums, *maxes]
+    local = torch.stack([torch.as_tensor(v, dtype=torch.float64).to(accelerator.device).reshape(())
+                         for v in (*sums.values(), *maxes.values())])
+    every_rank = accelerator.gather(local).reshape(-1, len(keys)) if accelerator.num_processes > 1 else local[None]
+    reduced = torch.cat([every_rank[:, :len(sums)].sum(0), every_rank[:, len(sums):].amax(0)])
+    return dict(zip(keys, reduced.tolist(), strict=True))  # the one host sync
+
+
+def local_scalar(value) -> torch.Tensor | float:
+    """A scalar for `reduce_step_values` from what engines return: FSDP2's `clip_grad_norm_` gives a replicated
+    DTensor (its local value is the full norm), DeepSpeed may give a float or None (-> nan)."""
+    if value is None:
+        return float("nan")
+    if hasattr(value, "full_tensor"):  # [FSDP2]
+        return value.full_tensor()
+    return value
+
+
+def gathered(param: torch.Tensor) -> torch.Tensor:
+    """The whole of one parameter on this rank's CPU, however the engine holds it: a ZeRO-3 partition is gathered
+    (`GatheredParameters`), an FSDP2 DTensor shard is all-gathered (`full_tensor`), a whole tensor is copied as is.
+    A collective for sharded parameters: every rank must call it for the same parameters in the same order.
+    Engines: all."""
+    from torch.distributed.tensor import DTensor
+
+    if hasattr(param, "ds_id"):  # [ZeRO-3] partitioned parameter
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+            return param.detach().cpu().clone()
+    if isinstance(param, DTensor):  # [FSDP2] sharded parameter
+        return param.full_tensor().detach().cpu()
+    return param.detach().cpu()
+
+
+def close_and_exit(accelerator) -> None:
+    """End the run on every rank: close the trackers (W&B flushes) and the process group, then exit the process
+    at once with status 0 (`os._exit`: nothing after this call runs).
+
+    Exiting without Python's interpreter finalization is deliberate: with gloo, a rank whose peers have already
+    torn down their connections can abort during finalization ("terminate called without an active exception";
+    pytorch/pytorch#179291), turning a finished run into a failed job. Everything is written and closed here.
+    """
+    import sys
+
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
