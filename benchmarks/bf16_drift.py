@@ -21,6 +21,9 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # zero_utils from this checkout, also where it is not installed (the GPU machine)
+from zero_utils.launcher import accelerate_launch_command, config_file  # noqa: E402
+
 ENGINES = ["ddp", "zero1", "zero2", "zero3", "fsdp2"]
 
 
@@ -40,14 +43,13 @@ def make_checkpoint(path: Path) -> str:
 def fine_tune(engine: str, model: str, output_dir: Path, steps: int, mixed_precision: str) -> Path:
     out = output_dir / "runs" / f"{engine}-{mixed_precision}"
     world = 1 if engine == "single" else 2
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(world),
-           "--mixed_precision", mixed_precision]
-    if engine != "single":
-        cmd += ["--config_file", str(REPO / "accelerate_configs" / f"{engine}.yaml")]
-    cmd += [str(REPO / "recipes/llama_zero3.py"), "--model", model, "--output_dir", str(out), "--overwrite",
-            "--max_steps", str(steps), "--seq_len", "128", "--per_device_batch_size", str(8 // world),
-            "--warmup_steps", "2", "--lr", "1e-3", "--eval_fraction", "0", "--max_new_tokens", "0",
-            "--report_to", "none"]
+    cmd = accelerate_launch_command(
+        REPO / "recipes/llama_zero3.py",
+        ["--model", model, "--output_dir", out, "--overwrite", "--max_steps", steps, "--seq_len", "128",
+         "--per_device_batch_size", 8 // world, "--warmup_steps", "2", "--lr", "1e-3", "--eval_fraction", "0",
+         "--max_new_tokens", "0", "--report_to", "none"],
+        config_file=config_file(engine) if engine != "single" else None, num_processes=world,
+        mixed_precision=mixed_precision)
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:

@@ -35,6 +35,9 @@ from importlib import metadata
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # zero_utils from this checkout, also where it is not installed (the GPU machine)
+from zero_utils.launcher import accelerate_launch_command, config_file  # noqa: E402
+
 # Published dense bf16 peaks (no sparsity), FLOP/s: NVIDIA's H100 SXM / H200 datasheets, A100 datasheet.
 PUBLISHED_BF16_PEAK = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12}
 # What the GPU machine lacks for the recipe (datasets and DeepSpeed, and what they need beyond its packages).
@@ -113,12 +116,12 @@ def matmul_peak(device, n: int, iters: int) -> float:
 
 def run_variant(variant: str, model: str, out: Path, env: dict) -> dict:
     engine, compiled = variant.split("+")[0], variant.endswith("+compile")
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--mixed_precision", "bf16",
-           "--config_file", str(REPO / "accelerate_configs" / f"{engine}.yaml"),
-           str(REPO / "benchmarks/recipe_probe.py"),
-           "--model", model, "--output_dir", str(out), "--overwrite", "--max_steps", str(args.steps),
-           "--seq_len", str(args.seq_len), "--per_device_batch_size", str(args.batch_size), "--warmup_steps", "2",
-           "--lr", "3e-4", "--eval_fraction", "0", "--max_new_tokens", "0", "--report_to", "none"]
+    cmd = accelerate_launch_command(
+        REPO / "benchmarks/recipe_probe.py",
+        ["--model", model, "--output_dir", out, "--overwrite", "--max_steps", args.steps, "--seq_len", args.seq_len,
+         "--per_device_batch_size", args.batch_size, "--warmup_steps", "2", "--lr", "3e-4", "--eval_fraction", "0",
+         "--max_new_tokens", "0", "--report_to", "none"],
+        config_file=config_file(engine), num_processes=1, mixed_precision="bf16")
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**env, "BENCH_COMPILE_BLOCKS": str(int(compiled))})
     wall_s = time.perf_counter() - t0

@@ -21,6 +21,9 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # zero_utils from this checkout, also where it is not installed (the GPU machine)
+from zero_utils.launcher import accelerate_launch_command, config_file  # noqa: E402
+
 ENGINES = ["ddp", "zero1", "zero2", "zero3", "fsdp2", "fsdp2_zero2"]
 
 
@@ -39,13 +42,12 @@ def make_model(path: Path) -> str:
 
 def measure(engine: str, world: int, model: str, output_dir: Path, mixed_precision: str) -> dict:
     out = output_dir / "runs" / f"{engine}-{world}"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(world),
-           "--mixed_precision", mixed_precision]
-    if engine != "single":
-        cmd += ["--config_file", str(REPO / "accelerate_configs" / f"{engine}.yaml")]
-    cmd += [str(REPO / "recipes/llama_zero3.py"), "--model", model, "--output_dir", str(out), "--overwrite",
-            "--max_steps", "2", "--seq_len", "64", "--per_device_batch_size", "2", "--eval_fraction", "0",
-            "--max_new_tokens", "0", "--report_to", "none"]
+    cmd = accelerate_launch_command(
+        REPO / "recipes/llama_zero3.py",
+        ["--model", model, "--output_dir", out, "--overwrite", "--max_steps", "2", "--seq_len", "64",
+         "--per_device_batch_size", "2", "--eval_fraction", "0", "--max_new_tokens", "0", "--report_to", "none"],
+        config_file=config_file(engine) if engine != "single" else None, num_processes=world,
+        mixed_precision=mixed_precision)
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:

@@ -29,17 +29,20 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from memory import make_model  # noqa: E402  (benchmarks/memory.py: the 3.3M-parameter Llama of the tests)
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from zero_utils.launcher import accelerate_launch_command, config_file, free_port  # noqa: E402
+
 ENGINES = ["ddp", "zero1", "zero2", "zero3", "fsdp2", "fsdp2_zero2"]
 ACCELERATE_PREP = "fsdp2_accelerate_prep"  # FSDP2 wrapped by accelerate's prepare instead of zero_utils.wrapping
 TRAINER_ENGINES = ["fsdp2", "zero3"]
@@ -53,204 +56,227 @@ COMMS_THEORY_PSI = {"ddp": 2, "zero1": 2, "zero2": 2, "zero3": 3, "fsdp2": 3, "f
 # The ZeRO limit in fp32 with AdamW, per parameter over N ranks, split by kind.
 LIMIT_BYTES_PER_PARAM = {"params": 4, "grads": 4, "optimizer": 8}
 
-parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-parser.add_argument("--output_dir", required=True)
-parser.add_argument("--quick", action="store_true", help="world size 2 only (memory, comms, sharding cost)")
-parser.add_argument("--smoke", action="store_true", help="--quick, 1 repeat, 6 steps of 128 tokens (CI)")
-parser.add_argument("--repeats", type=int, default=3)
-parser.add_argument("--max_steps", type=int, default=12)
-parser.add_argument("--seq_len", type=int, default=256)
-parser.add_argument("--per_device_batch_size", type=int, default=4)
-args = parser.parse_args()
-if args.smoke:
-    args.quick, args.repeats, args.max_steps, args.seq_len = True, 1, WARMUP_STEPS + 2, 128
-world_sizes = [2] if args.quick else [2, 4]
-memory_world_sizes = [2] if args.quick else [1, 2, 4]
-out_dir = Path(args.output_dir).resolve()
-out_dir.mkdir(parents=True, exist_ok=True)
-# A fixed glibc mmap threshold makes peak RSS comparable between processes: with glibc's dynamic threshold, freed
-# large blocks raise it and later ones stay on the heap, so RSS depends on the order of allocations (measured under
-# zero3.yaml: the recipe 55-90 MB/rank above the Trainer with the dynamic threshold, 5-10 MB below with this one).
-env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-       "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TQDM_DISABLE": "1", "TOKENIZERS_PARALLELISM": "false",
-       "WANDB_MODE": "disabled", "MALLOC_MMAP_THRESHOLD_": "131072"}
-model_dir = make_model(out_dir / "model") if not (out_dir / "model/config.json").exists() else str(out_dir / "model")
-common = ["--model", model_dir, "--seq_len", str(args.seq_len), "--per_device_batch_size",
-          str(args.per_device_batch_size)]
-recipe_flags = common + ["--overwrite", "--eval_fraction", "0", "--max_new_tokens", "0", "--report_to", "none"]
-started = time.time()
-retried = []  # launches that failed once and passed on their retry
+@dataclass
+class Bench:
+    """What every launch of one benchmark run shares: its arguments, folders, environment and recipe flags."""
+
+    args: argparse.Namespace
+    out_dir: Path
+    env: dict
+    common: list
+    recipe_flags: list
+    started: float = field(default_factory=time.time)
+    retried: list = field(default_factory=list)  # launches that failed once and passed on their retry
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--output_dir", required=True)
+    parser.add_argument("--quick", action="store_true", help="world size 2 only (memory, comms, sharding cost)")
+    parser.add_argument("--smoke", action="store_true", help="--quick, 1 repeat, 6 steps of 128 tokens (CI)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--max_steps", type=int, default=12)
+    parser.add_argument("--seq_len", type=int, default=256)
+    parser.add_argument("--per_device_batch_size", type=int, default=4)
+    return parser
 
 
-def launch(script: str, name: str, world: int, config: str | None, flags: list, extra_env: dict | None = None) -> Path:
+def _bench(args: argparse.Namespace) -> Bench:
+    if args.smoke:
+        args.quick, args.repeats, args.max_steps, args.seq_len = True, 1, WARMUP_STEPS + 2, 128
+    out_dir = Path(args.output_dir).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # A fixed glibc mmap threshold makes peak RSS comparable between processes: with glibc's dynamic threshold,
+    # freed large blocks raise it and later ones stay on the heap, so RSS depends on the order of allocations
+    # (measured under zero3.yaml: the recipe 55-90 MB/rank above the Trainer with the dynamic threshold, 5-10 MB
+    # below with this one).
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TQDM_DISABLE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "WANDB_MODE": "disabled", "MALLOC_MMAP_THRESHOLD_": "131072"}
+    model_dir = (make_model(out_dir / "model") if not (out_dir / "model/config.json").exists()
+                 else str(out_dir / "model"))
+    common = ["--model", model_dir, "--seq_len", str(args.seq_len), "--per_device_batch_size",
+              str(args.per_device_batch_size)]
+    recipe_flags = common + ["--overwrite", "--eval_fraction", "0", "--max_new_tokens", "0", "--report_to", "none"]
+    return Bench(args, out_dir, env, common, recipe_flags)
+
+
+def launch(bench: Bench, script: str, name: str, world: int, config: str | None, flags: list,
+           extra_env: dict | None = None) -> Path:
     """`accelerate launch` a script the way users do (its own free port: launches on one port collide)."""
-    run_dir = out_dir / "runs" / name
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(world), "--mixed_precision",
-           "no", "--main_process_port", str(free_port())]
-    if config:
-        cmd += ["--config_file", str(REPO / "accelerate_configs" / f"{config}.yaml")]
-    cmd += [str(REPO / script), "--output_dir", str(run_dir), *flags]
+    run_dir = bench.out_dir / "runs" / name
+    cmd = accelerate_launch_command(REPO / script, ["--output_dir", run_dir, *flags],
+                                    config_file=config_file(config) if config else None, num_processes=world,
+                                    main_process_port=free_port(), mixed_precision="no")
     t0 = time.time()
     for attempt in range(2):  # a shared machine: one retry when a rank dies from outside (seen: SIGKILL)
-        proc = subprocess.run(cmd, cwd=REPO, env={**env, **(extra_env or {})}, capture_output=True, text=True)
+        proc = subprocess.run(cmd, cwd=REPO, env={**bench.env, **(extra_env or {})}, capture_output=True, text=True)
         if proc.returncode == 0:
             break
         if attempt == 1:
             raise RuntimeError(f"{name} failed ({proc.returncode}):\n{' '.join(cmd)}\n{proc.stderr[-4000:]}")
-        retried.append(name)
+        bench.retried.append(name)
         print(f"  {name} failed ({proc.returncode}), retrying once:\n{proc.stderr[-600:]}", flush=True)
         cmd[cmd.index("--main_process_port") + 1] = str(free_port())
-    print(f"  [{time.time() - started:6.0f} s] {name}: {time.time() - t0:.0f} s", flush=True)
+    print(f"  [{time.time() - bench.started:6.0f} s] {name}: {time.time() - t0:.0f} s", flush=True)
     return run_dir
 
 
-def recipe(engine: str, world: int, repeat: int, steps: int, count_comms: bool = False) -> dict:
+def recipe(bench: Bench, engine: str, world: int, repeat: int, steps: int, count_comms: bool = False) -> dict:
     """One recipe launch; returns its summary plus tokens_per_s over the steps after WARMUP_STEPS."""
     name = f"{engine}-{world}x-r{repeat}"
-    extra_env, script = {}, "recipes/llama_zero3.py"
-    if count_comms or engine in (ACCELERATE_PREP, DS_DEFAULT_BUCKETS):
-        script = "benchmarks/recipe_probe.py"
+    # recipes/llama_zero3.py through the probe, which adds the per-rank evidence (sharding_per_rank) to summary.json
+    extra_env, script = {}, "benchmarks/recipe_probe.py"
     if count_comms:
-        extra_env.update(BENCH_COMMS_STEP=str(COMMS_STEP), BENCH_COMMS_FILE=str(out_dir / "runs" / f"{name}.comms"))
+        extra_env.update(BENCH_COMMS_STEP=str(COMMS_STEP),
+                         BENCH_COMMS_FILE=str(bench.out_dir / "runs" / f"{name}.comms"))
     if engine == ACCELERATE_PREP:
         extra_env["BENCH_ACCELERATE_FSDP2_PREP"] = "1"
     if engine == DS_DEFAULT_BUCKETS:
         extra_env["BENCH_DEEPSPEED_DEFAULT_BUCKETS"] = "1"
     config = {ACCELERATE_PREP: "fsdp2", DS_DEFAULT_BUCKETS: "zero3", "single": None}.get(engine, engine)
-    run_dir = launch(script, name, world, config, recipe_flags + ["--max_steps", str(steps)], extra_env)
+    run_dir = launch(bench, script, name, world, config, bench.recipe_flags + ["--max_steps", str(steps)], extra_env)
     summary = json.loads((run_dir / "summary.json").read_text())
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    step_times_s = [summary["global_batch_rows"] * args.seq_len / m["tokens_per_s"] for m in metrics]
-    summary["tokens_per_s"] = summary["global_batch_rows"] * args.seq_len / statistics.median(
+    step_times_s = [summary["global_batch_rows"] * bench.args.seq_len / m["tokens_per_s"] for m in metrics]
+    summary["tokens_per_s"] = summary["global_batch_rows"] * bench.args.seq_len / statistics.median(
         step_times_s[WARMUP_STEPS:] or step_times_s)  # the 2-step memory runs have no steady state to time
     summary["step_times_s"] = step_times_s
     if count_comms:
-        summary["comms"] = json.loads((out_dir / "runs" / f"{name}.comms.rank0").read_text())
+        summary["comms"] = json.loads((bench.out_dir / "runs" / f"{name}.comms.rank0").read_text())
     return summary
 
 
-def script_run(script: str, name: str, world: int, config: str | None, result_file: str) -> dict:
-    flags = common + ["--max_steps", str(args.max_steps), "--untimed_steps", str(WARMUP_STEPS)]
-    return json.loads((launch(script, name, world, config, flags) / result_file).read_text())
+def script_run(bench: Bench, script: str, name: str, world: int, config: str | None, result_file: str) -> dict:
+    flags = bench.common + ["--max_steps", str(bench.args.max_steps), "--untimed_steps", str(WARMUP_STEPS)]
+    return json.loads((launch(bench, script, name, world, config, flags) / result_file).read_text())
 
 
 def spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "values": values}
 
 
-# ------------------------------------------------------------------------------------------ runs, interleaved
-# Each repeat runs every candidate once, in the same order, so a slow minute on the shared machine hits all of them.
-runs = {}  # (label, world) -> list over repeats
-for repeat in range(args.repeats):
-    print(f"repeat {repeat + 1}/{args.repeats}", flush=True)
-    for world in world_sizes:
-        for engine in ENGINES + [ACCELERATE_PREP]:
-            count_comms = repeat == 0 and world == 2
-            runs.setdefault((engine, world), []).append(recipe(engine, world, repeat, args.max_steps, count_comms))
-        if world == 2:
-            for engine in TRAINER_ENGINES:
-                runs.setdefault((f"trainer_{engine}", 2), []).append(script_run(
-                    "benchmarks/trainer_baseline.py", f"trainer_{engine}-2x-r{repeat}", 2, engine, "trainer.json"))
-            runs.setdefault((DS_DEFAULT_BUCKETS, 2), []).append(recipe(DS_DEFAULT_BUCKETS, 2, repeat, args.max_steps))
-    runs.setdefault(("single", 1), []).append(recipe("single", 1, repeat, args.max_steps))
-    runs.setdefault(("plain_loop", 1), []).append(script_run(
-        "benchmarks/plain_loop.py", f"plain_loop-1x-r{repeat}", 1, None, "plain_loop.json"))
-for world in memory_world_sizes:  # world size 1: model states only (2 steps)
-    if world not in world_sizes:
-        for engine in ENGINES:
-            runs[(engine, world)] = [recipe(engine, world, 0, 2)]
+def run_all(bench: Bench) -> dict:
+    """Every launch, interleaved: each repeat runs every candidate once, in the same order, so a slow minute on
+    the shared machine hits all of them. Returns {(label, world size): [summary per repeat]}."""
+    args = bench.args
+    world_sizes = [2] if args.quick else [2, 4]
+    memory_world_sizes = [2] if args.quick else [1, 2, 4]
+    runs = {}  # (label, world) -> list over repeats
+    for repeat in range(args.repeats):
+        print(f"repeat {repeat + 1}/{args.repeats}", flush=True)
+        for world in world_sizes:
+            for engine in ENGINES + [ACCELERATE_PREP]:
+                count_comms = repeat == 0 and world == 2
+                runs.setdefault((engine, world), []).append(
+                    recipe(bench, engine, world, repeat, args.max_steps, count_comms))
+            if world == 2:
+                for engine in TRAINER_ENGINES:
+                    runs.setdefault((f"trainer_{engine}", 2), []).append(script_run(
+                        bench, "benchmarks/trainer_baseline.py", f"trainer_{engine}-2x-r{repeat}", 2, engine,
+                        "trainer.json"))
+                runs.setdefault((DS_DEFAULT_BUCKETS, 2), []).append(
+                    recipe(bench, DS_DEFAULT_BUCKETS, 2, repeat, args.max_steps))
+        runs.setdefault(("single", 1), []).append(recipe(bench, "single", 1, repeat, args.max_steps))
+        runs.setdefault(("plain_loop", 1), []).append(script_run(
+            bench, "benchmarks/plain_loop.py", f"plain_loop-1x-r{repeat}", 1, None, "plain_loop.json"))
+    for world in memory_world_sizes:  # world size 1: model states only (2 steps)
+        if world not in world_sizes:
+            for engine in ENGINES:
+                runs[(engine, world)] = [recipe(bench, engine, world, 0, 2)]
+    return runs
 
-# ------------------------------------------------------------------------------------------ rows
-results = {"date": time.strftime("%Y-%m-%d"), "machine": {
-    "cpu": next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                 if line.startswith("model name")), platform.processor()), "cores": os.cpu_count(), "gpu": None},
-    "command": " ".join(["python", "benchmarks/run.py"] + sys.argv[1:]), "settings": {
-    "repeats": args.repeats, "max_steps": args.max_steps, "warmup_steps": WARMUP_STEPS, "seq_len": args.seq_len,
-    "per_device_batch_size": args.per_device_batch_size, "precision": "fp32", "model": "Llama, hidden 256, 4 layers"}}
-psi = runs[("ddp", 2)][0]["num_params"]
-results["num_params"] = psi
 
-results["memory"] = []
-for world in memory_world_sizes:
-    for engine in ENGINES + ([ACCELERATE_PREP] if world > 1 else []):
-        s = runs[(engine, world)][0]
-        limit = 16 * psi / world
-        breakdown = s["model_state_breakdown_bytes"]
-        excess = {k: breakdown[k] - LIMIT_BYTES_PER_PARAM[k] * psi / world for k in LIMIT_BYTES_PER_PARAM}
-        results["memory"].append({
-            "engine": engine, "world_size": world, "engine_run": s["engine"],
-            "model_state_bytes": s["model_state_bytes"],
-            "model_state_bytes_expected": s["model_state_bytes_expected"], "limit_bytes": limit,
-            "measured_over_limit": s["model_state_bytes"] / limit,
-            "measured_over_expected": s["model_state_bytes"] / s["model_state_bytes_expected"],
-            "breakdown_bytes": breakdown, "excess_over_limit_bytes": excess,
-            "excess_over_limit_bytes_per_param_times_n": {k: v * world / psi for k, v in excess.items()}})
+def rows(bench: Bench, runs: dict) -> dict:
+    """results.json: the rows docs/BENCHMARKS.md explains, from the launches' summaries."""
+    args = bench.args
+    world_sizes = [2] if args.quick else [2, 4]
+    memory_world_sizes = [2] if args.quick else [1, 2, 4]
+    results = {"date": time.strftime("%Y-%m-%d"), "machine": {
+        "cpu": next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("model name")), platform.processor()), "cores": os.cpu_count(), "gpu": None},
+        "command": " ".join(["python", "benchmarks/run.py"] + sys.argv[1:]), "settings": {
+        "repeats": args.repeats, "max_steps": args.max_steps, "warmup_steps": WARMUP_STEPS, "seq_len": args.seq_len,
+        "per_device_batch_size": args.per_device_batch_size, "precision": "fp32",
+        "model": "Llama, hidden 256, 4 layers"}}
+    psi = runs[("ddp", 2)][0]["num_params"]
+    results["num_params"] = psi
 
-results["comms"] = []
-for engine in ENGINES + [ACCELERATE_PREP]:
-    comms = runs[(engine, 2)][0]["comms"]
-    n = comms["nelems"]
-    # The convention of the module docstring: an all-reduce is a reduce-scatter plus an all-gather.
-    volume = 2 * n["all_reduce"] + n["all_gather"] + n["reduce_scatter"] + n["reduce"] + n["broadcast"]
-    results["comms"].append({
-        "engine": engine, "world_size": 2, "elements": n, "volume_elements": volume, "volume_psi": volume / psi,
-        "bytes": volume * 4, "theory_psi": COMMS_THEORY_PSI[engine],
-        "measured_over_theory": volume / psi / COMMS_THEORY_PSI[engine], "calls": comms["calls"],
-        "dtypes": comms["dtypes"]})
+    results["memory"] = []
+    for world in memory_world_sizes:
+        for engine in ENGINES + ([ACCELERATE_PREP] if world > 1 else []):
+            s = runs[(engine, world)][0]
+            limit = 16 * psi / world
+            breakdown = s["model_state_breakdown_bytes"]
+            excess = {k: breakdown[k] - LIMIT_BYTES_PER_PARAM[k] * psi / world for k in LIMIT_BYTES_PER_PARAM}
+            results["memory"].append({
+                "engine": engine, "world_size": world, "engine_run": s["engine"],
+                "model_state_bytes": s["model_state_bytes"],
+                "model_state_bytes_expected": s["model_state_bytes_expected"], "limit_bytes": limit,
+                "measured_over_limit": s["model_state_bytes"] / limit,
+                "measured_over_expected": s["model_state_bytes"] / s["model_state_bytes_expected"],
+                "breakdown_bytes": breakdown, "excess_over_limit_bytes": excess,
+                "excess_over_limit_bytes_per_param_times_n": {k: v * world / psi for k, v in excess.items()}})
 
-recipe_tps = [r["tokens_per_s"] for r in runs[("single", 1)]]
-plain_tps = [r["tokens_per_s"] for r in runs[("plain_loop", 1)]]
-results["overhead"] = {"recipe_tokens_per_s": spread(recipe_tps), "plain_loop_tokens_per_s": spread(plain_tps),
-                       "recipe_over_plain": spread([a / b for a, b in zip(recipe_tps, plain_tps, strict=True)])}
-
-results["trainer"] = []
-for engine in TRAINER_ENGINES:
-    ours, theirs = runs[(engine, 2)], runs[(f"trainer_{engine}", 2)]
-    results["trainer"].append({
-        "engine": engine, "world_size": 2, "trainer_engine": theirs[0]["engine"],
-        "trainer_local_param_fraction_per_rank": theirs[0]["local_param_fraction_per_rank"],
-        "recipe_tokens_per_s": spread([r["tokens_per_s"] for r in ours]),
-        "trainer_tokens_per_s": spread([r["tokens_per_s"] for r in theirs]),
-        "recipe_over_trainer_tokens_per_s": spread([a["tokens_per_s"] / b["tokens_per_s"]
-                                                    for a, b in zip(ours, theirs, strict=True)]),
-        "recipe_peak_mem_bytes": spread([r["peak_mem_bytes"] for r in ours]),
-        "trainer_peak_mem_bytes": spread([r["peak_mem_bytes"] for r in theirs])})
-default_buckets, trainer_zero3 = runs[(DS_DEFAULT_BUCKETS, 2)], runs[("trainer_zero3", 2)]
-results["zero3_default_buckets"] = {
-    "world_size": 2, "tokens_per_s": spread([r["tokens_per_s"] for r in default_buckets]),
-    "over_trainer_tokens_per_s": spread([a["tokens_per_s"] / b["tokens_per_s"]
-                                         for a, b in zip(default_buckets, trainer_zero3, strict=True)]),
-    "over_recipe_tokens_per_s": spread([a["tokens_per_s"] / b["tokens_per_s"]
-                                        for a, b in zip(default_buckets, runs[("zero3", 2)], strict=True)]),
-    "peak_mem_bytes": spread([r["peak_mem_bytes"] for r in default_buckets])}
-
-results["sharding_cost"] = []
-for world in world_sizes:
-    ddp = runs[("ddp", world)]
+    results["comms"] = []
     for engine in ENGINES + [ACCELERATE_PREP]:
-        mine = runs[(engine, world)]
-        results["sharding_cost"].append({
-            "engine": engine, "world_size": world, "tokens_per_s": spread([r["tokens_per_s"] for r in mine]),
-            "step_time_over_ddp": spread([d["tokens_per_s"] / r["tokens_per_s"]
-                                          for r, d in zip(mine, ddp, strict=True)])})
-    ours, theirs = runs[("fsdp2", world)], runs[(ACCELERATE_PREP, world)]
-    results.setdefault("fsdp2_ours_vs_accelerate_prep", []).append({
-        "world_size": world, "accelerate_prep_step_time_over_ours": spread(
-            [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(ours, theirs, strict=True)]),
-        "ours_model_state_bytes": ours[0]["model_state_bytes"], "accelerate_prep_model_state_bytes":
-            theirs[0]["model_state_bytes"], "ours_fsdp_units": ours[0]["sharding_per_rank"][0]["fsdp_units"],
-        "accelerate_prep_fsdp_units": theirs[0]["sharding_per_rank"][0]["fsdp_units"]})
-results["elapsed_s"] = time.time() - started
-results["retried_launches"] = retried
+        comms = runs[(engine, 2)][0]["comms"]
+        n = comms["nelems"]
+        # The convention of the module docstring: an all-reduce is a reduce-scatter plus an all-gather.
+        volume = 2 * n["all_reduce"] + n["all_gather"] + n["reduce_scatter"] + n["reduce"] + n["broadcast"]
+        results["comms"].append({
+            "engine": engine, "world_size": 2, "elements": n, "volume_elements": volume, "volume_psi": volume / psi,
+            "bytes": volume * 4, "theory_psi": COMMS_THEORY_PSI[engine],
+            "measured_over_theory": volume / psi / COMMS_THEORY_PSI[engine], "calls": comms["calls"],
+            "dtypes": comms["dtypes"]})
+
+    recipe_tps = [r["tokens_per_s"] for r in runs[("single", 1)]]
+    plain_tps = [r["tokens_per_s"] for r in runs[("plain_loop", 1)]]
+    results["overhead"] = {"recipe_tokens_per_s": spread(recipe_tps), "plain_loop_tokens_per_s": spread(plain_tps),
+                           "recipe_over_plain": spread([a / b for a, b in zip(recipe_tps, plain_tps, strict=True)])}
+
+    results["trainer"] = []
+    for engine in TRAINER_ENGINES:
+        ours, theirs = runs[(engine, 2)], runs[(f"trainer_{engine}", 2)]
+        results["trainer"].append({
+            "engine": engine, "world_size": 2, "trainer_engine": theirs[0]["engine"],
+            "trainer_local_param_fraction_per_rank": theirs[0]["local_param_fraction_per_rank"],
+            "recipe_tokens_per_s": spread([r["tokens_per_s"] for r in ours]),
+            "trainer_tokens_per_s": spread([r["tokens_per_s"] for r in theirs]),
+            "recipe_over_trainer_tokens_per_s": spread([a["tokens_per_s"] / b["tokens_per_s"]
+                                                        for a, b in zip(ours, theirs, strict=True)]),
+            "recipe_peak_mem_bytes": spread([r["peak_mem_bytes"] for r in ours]),
+            "trainer_peak_mem_bytes": spread([r["peak_mem_bytes"] for r in theirs])})
+    default_buckets, trainer_zero3 = runs[(DS_DEFAULT_BUCKETS, 2)], runs[("trainer_zero3", 2)]
+    results["zero3_default_buckets"] = {
+        "world_size": 2, "tokens_per_s": spread([r["tokens_per_s"] for r in default_buckets]),
+        "over_trainer_tokens_per_s": spread([a["tokens_per_s"] / b["tokens_per_s"]
+                                             for a, b in zip(default_buckets, trainer_zero3, strict=True)]),
+        "over_recipe_tokens_per_s": spread([a["tokens_per_s"] / b["tokens_per_s"]
+                                            for a, b in zip(default_buckets, runs[("zero3", 2)], strict=True)]),
+        "peak_mem_bytes": spread([r["peak_mem_bytes"] for r in default_buckets])}
+
+    results["sharding_cost"] = []
+    for world in world_sizes:
+        ddp = runs[("ddp", world)]
+        for engine in ENGINES + [ACCELERATE_PREP]:
+            mine = runs[(engine, world)]
+            results["sharding_cost"].append({
+                "engine": engine, "world_size": world, "tokens_per_s": spread([r["tokens_per_s"] for r in mine]),
+                "step_time_over_ddp": spread([d["tokens_per_s"] / r["tokens_per_s"]
+                                              for r, d in zip(mine, ddp, strict=True)])})
+        ours, theirs = runs[("fsdp2", world)], runs[(ACCELERATE_PREP, world)]
+        results.setdefault("fsdp2_ours_vs_accelerate_prep", []).append({
+            "world_size": world, "accelerate_prep_step_time_over_ours": spread(
+                [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(ours, theirs, strict=True)]),
+            "ours_model_state_bytes": ours[0]["model_state_bytes"], "accelerate_prep_model_state_bytes":
+                theirs[0]["model_state_bytes"], "ours_fsdp_units": ours[0]["sharding_per_rank"][0]["fsdp_units"],
+            "accelerate_prep_fsdp_units": theirs[0]["sharding_per_rank"][0]["fsdp_units"]})
+    results["elapsed_s"] = time.time() - bench.started
+    results["retried_launches"] = bench.retried
+    return results
 
 
-# ------------------------------------------------------------------------------------------ table
 def rng(s: dict, fmt: str = "{:.3f}") -> str:
     return f"{fmt.format(s['median'])} ({fmt.format(s['min'])}-{fmt.format(s['max'])})"
 
@@ -260,53 +286,70 @@ def md_table(header: list[str], rows: list[list]) -> list[str]:
         "| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
 
 
-mb = 1e6
-lines = [f"# Benchmarks ({results['date']}, {results['machine']['cpu']}, {results['machine']['cores']} cores, no GPU)",
-         "", f"`{results['command']}`: {psi:,} parameters, fp32, seq_len {args.seq_len}, "
-         f"{args.per_device_batch_size} rows per rank, {args.repeats} interleaved repeats, "
-         f"{results['elapsed_s']:.0f} s. MB = 1e6 bytes. Ratios: median (min-max) over repeats.", "",
-         "## Model-state bytes per rank vs the ZeRO limit 16 Psi / N", ""]
-lines += md_table(
-    ["engine", "N", "measured MB", "limit MB", "measured / limit", "engine formula MB", "measured / formula",
-     "excess params / grads / optimizer (bytes per param x N)"],
-    [[r["engine"], r["world_size"], f"{r['model_state_bytes'] / mb:.2f}", f"{r['limit_bytes'] / mb:.2f}",
-      f"{r['measured_over_limit']:.4f}", f"{r['model_state_bytes_expected'] / mb:.2f}",
-      f"{r['measured_over_expected']:.4f}", " / ".join(
-          f"{r['excess_over_limit_bytes_per_param_times_n'][k]:+.2f}" for k in LIMIT_BYTES_PER_PARAM)]
-     for r in results["memory"]])
-lines += ["", "## Communication per rank, one steady-state step, 2 ranks (elements; x4 for bytes in fp32)", ""]
-lines += md_table(
-    ["engine", "all-reduce", "all-gather", "reduce-scatter", "reduce", "broadcast", "volume (Psi)", "theory (Psi)",
-     "measured / theory"],
-    [[r["engine"], *(f"{r['elements'][k]:,}" for k in ("all_reduce", "all_gather", "reduce_scatter", "reduce",
-                                                        "broadcast")),
-      f"{r['volume_psi']:.3f}", r["theory_psi"], f"{r['measured_over_theory']:.3f}"] for r in results["comms"]])
-o = results["overhead"]
-lines += ["", "## Overhead of the recipe (world size 1)", "",
-          f"recipe / plain PyTorch loop, tokens/s: **{rng(o['recipe_over_plain'])}** (recipe "
-          f"{rng(o['recipe_tokens_per_s'], '{:.0f}')}, plain {rng(o['plain_loop_tokens_per_s'], '{:.0f}')} tokens/s)",
-          "", "## Recipe vs transformers Trainer, same accelerate config, 2 processes", ""]
-lines += md_table(
-    ["config", "recipe / Trainer tokens/s", "recipe tokens/s", "Trainer tokens/s", "recipe peak MB/rank",
-     "Trainer peak MB/rank", "Trainer local param fraction"],
-    [[r["engine"], rng(r["recipe_over_trainer_tokens_per_s"]), rng(r["recipe_tokens_per_s"], "{:.0f}"),
-      rng(r["trainer_tokens_per_s"], "{:.0f}"), f"{r['recipe_peak_mem_bytes']['median'] / mb:.0f}",
-      f"{r['trainer_peak_mem_bytes']['median'] / mb:.0f}", r["trainer_local_param_fraction_per_rank"]]
-     for r in results["trainer"]])
-z = results["zero3_default_buckets"]
-lines += ["", f"ZeRO-3 recipe with DeepSpeed's default bucket sizes (the Trainer's), tokens/s over the Trainer's: "
-          f"**{rng(z['over_trainer_tokens_per_s'])}**, over the recipe's (its own bucket sizes): "
-          f"{rng(z['over_recipe_tokens_per_s'])}; peak {z['peak_mem_bytes']['median'] / mb:.0f} MB/rank."]
-lines += ["", "## Cost of sharding: step time / DDP's, same model and batch", ""]
-lines += md_table(["engine", "N", "step time / DDP", "tokens/s"],
-                  [[r["engine"], r["world_size"], rng(r["step_time_over_ddp"]), rng(r["tokens_per_s"], "{:.0f}")]
-                   for r in results["sharding_cost"]])
-for r in results["fsdp2_ours_vs_accelerate_prep"]:
-    lines.append(f"\nFSDP2 at {r['world_size']} ranks, accelerate's own preparation / ours, step time: "
-                 f"**{rng(r['accelerate_prep_step_time_over_ours'])}**; FSDP units ours {r['ours_fsdp_units']}, "
-                 f"accelerate's {r['accelerate_prep_fsdp_units']}.")
-table = "\n".join(lines) + "\n"
-(out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-(out_dir / "results.md").write_text(table)
-print("\n" + table)
-print(f"wrote {out_dir / 'results.json'} and {out_dir / 'results.md'} ({results['elapsed_s']:.0f} s)")
+def report(results: dict, args: argparse.Namespace) -> str:
+    """results.md: the tables of results.json."""
+    psi = results["num_params"]
+    mb = 1e6
+    machine = results["machine"]
+    lines = [f"# Benchmarks ({results['date']}, {machine['cpu']}, {machine['cores']} cores, no GPU)",
+             "", f"`{results['command']}`: {psi:,} parameters, fp32, seq_len {args.seq_len}, "
+             f"{args.per_device_batch_size} rows per rank, {args.repeats} interleaved repeats, "
+             f"{results['elapsed_s']:.0f} s. MB = 1e6 bytes. Ratios: median (min-max) over repeats.", "",
+             "## Model-state bytes per rank vs the ZeRO limit 16 Psi / N", ""]
+    lines += md_table(
+        ["engine", "N", "measured MB", "limit MB", "measured / limit", "engine formula MB", "measured / formula",
+         "excess params / grads / optimizer (bytes per param x N)"],
+        [[r["engine"], r["world_size"], f"{r['model_state_bytes'] / mb:.2f}", f"{r['limit_bytes'] / mb:.2f}",
+          f"{r['measured_over_limit']:.4f}", f"{r['model_state_bytes_expected'] / mb:.2f}",
+          f"{r['measured_over_expected']:.4f}", " / ".join(
+              f"{r['excess_over_limit_bytes_per_param_times_n'][k]:+.2f}" for k in LIMIT_BYTES_PER_PARAM)]
+         for r in results["memory"]])
+    lines += ["", "## Communication per rank, one steady-state step, 2 ranks (elements; x4 for bytes in fp32)", ""]
+    lines += md_table(
+        ["engine", "all-reduce", "all-gather", "reduce-scatter", "reduce", "broadcast", "volume (Psi)", "theory (Psi)",
+         "measured / theory"],
+        [[r["engine"], *(f"{r['elements'][k]:,}" for k in ("all_reduce", "all_gather", "reduce_scatter", "reduce",
+                                                            "broadcast")),
+          f"{r['volume_psi']:.3f}", r["theory_psi"], f"{r['measured_over_theory']:.3f}"] for r in results["comms"]])
+    o = results["overhead"]
+    lines += ["", "## Overhead of the recipe (world size 1)", "",
+              f"recipe / plain PyTorch loop, tokens/s: **{rng(o['recipe_over_plain'])}** (recipe "
+              f"{rng(o['recipe_tokens_per_s'], '{:.0f}')}, plain {rng(o['plain_loop_tokens_per_s'], '{:.0f}')} "
+              "tokens/s)",
+              "", "## Recipe vs transformers Trainer, same accelerate config, 2 processes", ""]
+    lines += md_table(
+        ["config", "recipe / Trainer tokens/s", "recipe tokens/s", "Trainer tokens/s", "recipe peak MB/rank",
+         "Trainer peak MB/rank", "Trainer local param fraction"],
+        [[r["engine"], rng(r["recipe_over_trainer_tokens_per_s"]), rng(r["recipe_tokens_per_s"], "{:.0f}"),
+          rng(r["trainer_tokens_per_s"], "{:.0f}"), f"{r['recipe_peak_mem_bytes']['median'] / mb:.0f}",
+          f"{r['trainer_peak_mem_bytes']['median'] / mb:.0f}", r["trainer_local_param_fraction_per_rank"]]
+         for r in results["trainer"]])
+    z = results["zero3_default_buckets"]
+    lines += ["", f"ZeRO-3 recipe with DeepSpeed's default bucket sizes (the Trainer's), tokens/s over the Trainer's: "
+              f"**{rng(z['over_trainer_tokens_per_s'])}**, over the recipe's (its own bucket sizes): "
+              f"{rng(z['over_recipe_tokens_per_s'])}; peak {z['peak_mem_bytes']['median'] / mb:.0f} MB/rank."]
+    lines += ["", "## Cost of sharding: step time / DDP's, same model and batch", ""]
+    lines += md_table(["engine", "N", "step time / DDP", "tokens/s"],
+                      [[r["engine"], r["world_size"], rng(r["step_time_over_ddp"]), rng(r["tokens_per_s"], "{:.0f}")]
+                       for r in results["sharding_cost"]])
+    for r in results["fsdp2_ours_vs_accelerate_prep"]:
+        lines.append(f"\nFSDP2 at {r['world_size']} ranks, accelerate's own preparation / ours, step time: "
+                     f"**{rng(r['accelerate_prep_step_time_over_ours'])}**; FSDP units ours {r['ours_fsdp_units']}, "
+                     f"accelerate's {r['accelerate_prep_fsdp_units']}.")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    bench = _bench(_parser().parse_args(argv))
+    results = rows(bench, run_all(bench))
+    table = report(results, bench.args)
+    out_dir = bench.out_dir
+    (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out_dir / "results.md").write_text(table)
+    print("\n" + table)
+    print(f"wrote {out_dir / 'results.json'} and {out_dir / 'results.md'} ({results['elapsed_s']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

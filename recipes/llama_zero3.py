@@ -25,6 +25,7 @@ Features, the flag that controls each, and its cost:
                 (default: last block kept gathered for backward); pretrained weights are read by rank 0 only
                 and broadcast
     tracking    metrics.jsonl + summary.json in --output_dir; --report_to wandb (offline without a key) | none
+    presets     --config RUN.yaml: recipe flags from a file (presets/ for real models); flags given override it
 Outputs: --output_dir/{metrics.jsonl, summary.json, checkpoints/step_<N>/, final/ (a Hugging Face model folder)}.
 """
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from zero_utils.launcher import accelerate_launch_command, config_file, free_port
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "accelerate_configs"
@@ -62,29 +62,16 @@ def launch(output_dir: Path, *recipe_args: str, config: str | None = None, num_p
            env: dict | None = None, timeout: int = 600) -> Run:
     """Run a recipe the way users do: `accelerate launch [--config_file X] --num_processes N recipe flags...`;
     a recipe under recipes/ runs through tests/scripts/harness.py, which adds per-rank evidence to its summary."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch"]
-    if config:
-        cmd += ["--config_file", str(CONFIGS / f"{config}.yaml")]
-    if num_processes is not None:
-        cmd += ["--num_processes", str(num_processes)]
-    # A port of its own: launches that share accelerate's default 29500 (two test sessions, or a test and a
-    # run by hand) join each other's rendezvous and fail in odd ways.
-    cmd += ["--main_process_port", str(free_port())]
-    if mixed_precision:
-        cmd += ["--mixed_precision", mixed_precision]
     env = env or isolated_env(output_dir.parent)
     script = REPO / recipe
     if recipe.startswith("recipes/"):  # a recipe runs unchanged, with the tests' probes attached from outside
         env, script = {**env, "ZERO_RECIPES_HARNESS_RECIPE": recipe}, HARNESS
-    cmd += list(launch_args) + [str(script), "--output_dir", str(output_dir), *recipe_args]
+    cmd = accelerate_launch_command(script, ["--output_dir", output_dir, *recipe_args],
+                                    config_file=config_file(config) if config else None, num_processes=num_processes,
+                                    main_process_port=free_port(), mixed_precision=mixed_precision,
+                                    launch_args=launch_args)
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     return Run(proc.returncode, proc.stdout, proc.stderr, output_dir)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

@@ -58,6 +58,11 @@ def test_comm_rows(results):
     assert rows["zero3"]["calls"]["c10d::_reduce_scatter_base_"] == 1
     for engine in ("zero1", "zero2"):
         assert rows[engine]["calls"]["c10d::allreduce_"] <= rows["ddp"]["calls"]["c10d::allreduce_"] + 1
+    # The recipe's own bookkeeping (loss, grad norm, memory peaks, stop flag) is one all-gather per step under every
+    # engine (distributed.reduce_step_values; the engines gather with _allgather_base_), and DDP's only
+    # all-reduces are its two gradient buckets (the first is capped at 1 MiB): no scalar all-reduce is left.
+    assert all(r["calls"]["c10d::allgather_"] == 1 for r in rows.values()), {e: r["calls"] for e, r in rows.items()}
+    assert rows["ddp"]["calls"]["c10d::allreduce_"] == 2
 
 
 @pytest.mark.slow

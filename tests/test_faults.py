@@ -6,13 +6,13 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 from conftest import REPO, free_port, isolated_env, launch
 
 from zero_utils import checkpoint
+from zero_utils.launcher import accelerate_launch_command, config_file
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 LONG_RUN = ("--max_steps", "100000", "--seq_len", "64", "--per_device_batch_size", "2", "--report_to", "none",
@@ -21,10 +21,9 @@ GRACE_S = 30  # torchrun's shutdown grace period: everything must be saved and g
 
 
 def start(output_dir, config="fsdp2", extra=(), launch_args=()):
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(REPO / f"accelerate_configs/{config}.yaml"), "--num_processes", "2", "--main_process_port",
-           str(free_port()), "--mixed_precision", "no", *launch_args, str(REPO / "recipes/llama_zero3.py"),
-           "--output_dir", str(output_dir), *LONG_RUN, *extra]
+    cmd = accelerate_launch_command(REPO / "recipes/llama_zero3.py", ["--output_dir", output_dir, *LONG_RUN, *extra],
+                                    config_file=config_file(config), num_processes=2, main_process_port=free_port(),
+                                    mixed_precision="no", launch_args=launch_args)
     return subprocess.Popen(cmd, cwd=REPO, env=isolated_env(output_dir.parent), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 

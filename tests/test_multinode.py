@@ -5,10 +5,11 @@ the single-machine run of the same world size."""
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import pytest
-from conftest import EIGHT_STEPS, REPO, Run, free_port, isolated_env
+from conftest import EIGHT_STEPS, HARNESS, REPO, Run, free_port, isolated_env
+
+from zero_utils.launcher import accelerate_launch_command, config_file
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -18,12 +19,12 @@ def launch_two_machines(output_dir, config: str, per_machine: int, small_model: 
     port = str(free_port())
     procs = []
     for machine_rank in (0, 1):
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               str(REPO / f"accelerate_configs/{config}.yaml"), "--num_machines", "2", "--machine_rank",
-               str(machine_rank), "--main_process_ip", "127.0.0.1", "--main_process_port", port,
-               "--num_processes", str(2 * per_machine), "--mixed_precision", "no", *extra_launch,
-               str(REPO / "recipes/llama_zero3.py"), "--output_dir", str(output_dir), *EIGHT_STEPS,
-               "--model", small_model, "--per_device_batch_size", str(batch)]
+        cmd = accelerate_launch_command(
+            HARNESS,  # recipes/llama_zero3.py with the per-rank evidence attached
+            ["--output_dir", output_dir, *EIGHT_STEPS, "--model", small_model, "--per_device_batch_size", batch],
+            config_file=config_file(config), num_processes=2 * per_machine, main_process_port=port,
+            mixed_precision="no", launch_args=("--num_machines", "2", "--machine_rank", machine_rank,
+                                               "--main_process_ip", "127.0.0.1", *extra_launch))
         procs.append(subprocess.Popen(cmd, cwd=REPO, env=isolated_env(output_dir.parent), stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
     outputs = [p.communicate(timeout=600) for p in procs]

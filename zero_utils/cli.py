@@ -3,13 +3,34 @@
 Each dataclass field becomes `--<name>` with the field's type and default; `flag(default, help, min=, choices=)`
 declares one with its help, lower bound and allowed values. Booleans become `--flag` / `--no-flag`. An unknown
 flag is an error that names it (argparse's own message).
+
+`--config run.yaml` reads recipe flags from a YAML mapping (`lr: 2.0e-5`, `gradient_checkpointing: true`; presets/
+holds presets for real models): each value is checked as the flag would be, flags on the command line override
+the file, an unknown key is an error that names it, and engine settings (mixed precision, DeepSpeed, FSDP,
+process counts) are refused there: the accelerate YAML (`accelerate launch --config_file`) owns them. The settings
+the recipe receives are the resolved ones (file plus flags), and they are what checkpoints store.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import typing
+from pathlib import Path
+
+from zero_utils.errors import UserError
+
+# Keys of an accelerate config file (`accelerate config`; accelerate's ClusterConfig and its deepspeed_config /
+# fsdp_config sections): the engine, decided by the accelerate YAML alone, never by a recipe's --config file.
+ENGINE_KEYS = frozenset({
+    "compute_environment", "distributed_type", "mixed_precision", "num_processes", "num_machines", "machine_rank",
+    "main_process_ip", "main_process_port", "main_training_function", "use_cpu", "gpu_ids", "rdzv_backend",
+    "same_network", "downcast_bf16", "dynamo_config", "parallelism_config", "deepspeed_config", "zero_stage",
+    "zero3_init_flag", "zero3_save_16bit_model", "offload_optimizer_device", "offload_param_device",
+    "gradient_clipping", "fsdp_config", "fsdp_version", "fsdp_sharding_strategy", "fsdp_reshard_after_forward",
+    "fsdp_offload_params", "fsdp_cpu_ram_efficient_loading", "fsdp_auto_wrap_policy",
+    "fsdp_transformer_layer_cls_to_wrap", "fsdp_state_dict_type", "fsdp_activation_checkpointing"})
 
 
 def flag(default, help: str, *, min=None, choices=None):
@@ -36,7 +57,15 @@ def parse_settings(settings_cls, argv=None, description: str | None = None):
         base = next((a for a in typing.get_args(kind) if a is not type(None)), kind) if typing.get_args(kind) else kind
         parser.add_argument(f"--{f.name}", type=base, default=f.default, choices=meta.get("choices"),
                             help=help_text + f" (default: {f.default})")
+    parser.add_argument("--config", default=None, metavar="RUN.yaml",
+                        help="recipe flags from a YAML file (e.g. presets/...); flags given here override it")
+    config_path = _pre_parse_config(argv)
+    if config_path:
+        from_file = _flags_from_yaml(config_path, settings_cls)
+        _check_with(parser, from_file, config_path)  # a bad value in the file names the file
+        argv = from_file + list(argv if argv is not None else _sys_argv())
     args = parser.parse_args(argv)
+    del args.config
     for f in dataclasses.fields(settings_cls):
         bound = f.metadata.get("min")
         value = getattr(args, f.name)
@@ -45,14 +74,88 @@ def parse_settings(settings_cls, argv=None, description: str | None = None):
     return settings_cls(**vars(args))
 
 
+def _sys_argv() -> list[str]:
+    import sys
+
+    return sys.argv[1:]
+
+
+def _pre_parse_config(argv) -> str | None:
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--config", default=None)
+    known, _ = pre.parse_known_args(argv if argv is not None else _sys_argv())
+    return known.config
+
+
+def _flags_from_yaml(path: str, settings_cls) -> list[str]:
+    """The YAML mapping at `path` as command-line tokens (`--key value`, `--flag` / `--no-flag`), placed before
+    the real command line so that its flags win. `UserError` for a missing file, invalid YAML, an engine key or
+    an unknown key (with the closest flag)."""
+    import yaml
+
+    file = Path(path)
+    if not file.is_file():
+        raise UserError(f"--config {path!r} is not a file; pass a YAML file of recipe flags, e.g. one in presets/.")
+    try:
+        values = yaml.safe_load(file.read_text()) or {}
+    except yaml.YAMLError as error:
+        raise UserError(f"--config {path} is not valid YAML ({str(error).splitlines()[0]}); fix the file.") from None
+    if not isinstance(values, dict):
+        raise UserError(f"--config {path} must be a mapping of flag names to values (lr: 2.0e-5), not a "
+                        f"{type(values).__name__}.")
+    fields = {f.name: f for f in dataclasses.fields(settings_cls)}
+    hints = typing.get_type_hints(settings_cls)
+    tokens = []
+    for key, value in values.items():
+        if key not in fields:
+            if key in ENGINE_KEYS:
+                raise UserError(f"{path} sets {key!r}, an engine setting: the accelerate YAML owns it "
+                                "(accelerate launch --config_file ...); remove it from the recipe's --config file.")
+            close = difflib.get_close_matches(str(key), fields, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise UserError(f"{path} sets {key!r}, which is not a flag of this recipe{hint}; see --help for the "
+                            "flags a --config file may set.")
+        if isinstance(value, (list, dict)):
+            raise UserError(f"{path} sets {key!r} to a {type(value).__name__}; give one value, as on the command "
+                            "line (comma-separated where the flag takes several).")
+        if hints[key] is bool:
+            if not isinstance(value, bool):
+                raise UserError(f"{path} sets {key!r} to {value!r}; it is a switch: write true or false.")
+            tokens.append(f"--{key}" if value else f"--no-{key}")
+        else:
+            tokens += [f"--{key}", str(value)]
+    return tokens
+
+
+def _check_with(parser: argparse.ArgumentParser, tokens: list[str], path: str) -> None:
+    """Parse the file's tokens alone, so that a bad value is reported as the file's, in argparse's words."""
+    messages = []
+
+    def error(message):
+        messages.append(message)
+        raise SystemExit(2)
+
+    original, parser.error = parser.error, error
+    try:
+        parser.parse_args(tokens)
+    except SystemExit:
+        raise UserError(f"{path}: {messages[0] if messages else 'invalid value'}; fix the value in the file.") from None
+    finally:
+        parser.error = original
+
+
 def run_recipe(main, settings_cls, description: str | None = None) -> None:
     """Parse the flags into `settings_cls`, run `main(settings)`, and turn the errors a user can act on into one
     line on stderr: `UserError` -> "error: ..." and exit 2, `TrainingStopped` -> "stopped: ..." and exit 1."""
     import sys
 
-    from zero_utils.errors import TrainingStopped, UserError
+    from zero_utils.errors import TrainingStopped
 
-    settings = parse_settings(settings_cls, description=description)
+    try:
+        settings = parse_settings(settings_cls, description=description)
+    except UserError as error:  # a --config file's problem: one line, as for any flag
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
     try:
         main(settings)
     except UserError as error:

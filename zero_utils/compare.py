@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 from zero_utils.errors import UserError
+from zero_utils.launcher import accelerate_launch_command
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG_DIR = REPO / "accelerate_configs"
@@ -58,13 +59,10 @@ def resolve_config(name: str) -> tuple[str, Path]:
 def launch_command(config_file: Path, num_processes: int, mixed_precision: str | None, recipe: Path, run_dir: Path,
                    max_steps: int, report_to: str, project: str, group: str, recipe_args: list[str]) -> list[str]:
     """The `accelerate launch` command of one run (launcher options before the recipe, recipe flags after)."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_file),
-           "--num_processes", str(num_processes)]
-    if mixed_precision:
-        cmd += ["--mixed_precision", mixed_precision]
     tracker = ["--project", project, "--group", group] if report_to != "none" else []
-    return cmd + [str(recipe), "--output_dir", str(run_dir), "--max_steps", str(max_steps), "--report_to", report_to,
-                  *tracker, *recipe_args]
+    return accelerate_launch_command(
+        recipe, ["--output_dir", run_dir, "--max_steps", max_steps, "--report_to", report_to, *tracker, *recipe_args],
+        config_file=config_file, num_processes=num_processes, mixed_precision=mixed_precision)
 
 
 def _relative(arg: str) -> str:

@@ -83,7 +83,7 @@ per_rank = gather_object([{"rank": accelerator.process_index, "peak_rss_rise_byt
                            "rss_before_bytes": rss_before}])
 if accelerator.is_main_process:
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
-    report = {"engine": engine, "world_size": accelerator.num_processes, "naive": args.naive,
+    report = {"engine": engine.name, "world_size": accelerator.num_processes, "naive": args.naive,
               "model_bytes": count_parameters(model) * 4, "weights_match_file": bool(matches), "ranks": per_rank}
     (Path(args.output_dir) / "report.json").write_text(json.dumps(report, indent=1))
 accelerator.wait_for_everyone()
