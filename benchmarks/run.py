@@ -56,17 +56,29 @@ COMMS_THEORY_PSI = {"ddp": 2, "zero1": 2, "zero2": 2, "zero3": 3, "fsdp2": 3, "f
 # The ZeRO limit in fp32 with AdamW, per parameter over N ranks, split by kind.
 LIMIT_BYTES_PER_PARAM = {"params": 4, "grads": 4, "optimizer": 8}
 
+
 @dataclass
 class Bench:
     """What every launch of one benchmark run shares: its arguments, folders, environment and recipe flags."""
 
     args: argparse.Namespace
+    command: str  # how this run was started, for results.json
     out_dir: Path
     env: dict
     common: list
     recipe_flags: list
     started: float = field(default_factory=time.time)
     retried: list = field(default_factory=list)  # launches that failed once and passed on their retry
+
+    @property
+    def world_sizes(self) -> list[int]:
+        """World sizes of the comms and sharding-cost rows."""
+        return [2] if self.args.quick else [2, 4]
+
+    @property
+    def memory_world_sizes(self) -> list[int]:
+        """World sizes of the memory rows (world size 1: model states only)."""
+        return [2] if self.args.quick else [1, 2, 4]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -81,7 +93,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _bench(args: argparse.Namespace) -> Bench:
+def _bench(args: argparse.Namespace, command: str) -> Bench:
     if args.smoke:
         args.quick, args.repeats, args.max_steps, args.seq_len = True, 1, WARMUP_STEPS + 2, 128
     out_dir = Path(args.output_dir).resolve()
@@ -98,7 +110,7 @@ def _bench(args: argparse.Namespace) -> Bench:
     common = ["--model", model_dir, "--seq_len", str(args.seq_len), "--per_device_batch_size",
               str(args.per_device_batch_size)]
     recipe_flags = common + ["--overwrite", "--eval_fraction", "0", "--max_new_tokens", "0", "--report_to", "none"]
-    return Bench(args, out_dir, env, common, recipe_flags)
+    return Bench(args, command, out_dir, env, common, recipe_flags)
 
 
 def launch(bench: Bench, script: str, name: str, world: int, config: str | None, flags: list,
@@ -160,12 +172,10 @@ def run_all(bench: Bench) -> dict:
     """Every launch, interleaved: each repeat runs every candidate once, in the same order, so a slow minute on
     the shared machine hits all of them. Returns {(label, world size): [summary per repeat]}."""
     args = bench.args
-    world_sizes = [2] if args.quick else [2, 4]
-    memory_world_sizes = [2] if args.quick else [1, 2, 4]
     runs = {}  # (label, world) -> list over repeats
     for repeat in range(args.repeats):
         print(f"repeat {repeat + 1}/{args.repeats}", flush=True)
-        for world in world_sizes:
+        for world in bench.world_sizes:
             for engine in ENGINES + [ACCELERATE_PREP]:
                 count_comms = repeat == 0 and world == 2
                 runs.setdefault((engine, world), []).append(
@@ -180,8 +190,8 @@ def run_all(bench: Bench) -> dict:
         runs.setdefault(("single", 1), []).append(recipe(bench, "single", 1, repeat, args.max_steps))
         runs.setdefault(("plain_loop", 1), []).append(script_run(
             bench, "benchmarks/plain_loop.py", f"plain_loop-1x-r{repeat}", 1, None, "plain_loop.json"))
-    for world in memory_world_sizes:  # world size 1: model states only (2 steps)
-        if world not in world_sizes:
+    for world in bench.memory_world_sizes:  # world size 1: model states only (2 steps)
+        if world not in bench.world_sizes:
             for engine in ENGINES:
                 runs[(engine, world)] = [recipe(bench, engine, world, 0, 2)]
     return runs
@@ -190,12 +200,10 @@ def run_all(bench: Bench) -> dict:
 def rows(bench: Bench, runs: dict) -> dict:
     """results.json: the rows docs/BENCHMARKS.md explains, from the launches' summaries."""
     args = bench.args
-    world_sizes = [2] if args.quick else [2, 4]
-    memory_world_sizes = [2] if args.quick else [1, 2, 4]
     results = {"date": time.strftime("%Y-%m-%d"), "machine": {
         "cpu": next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                      if line.startswith("model name")), platform.processor()), "cores": os.cpu_count(), "gpu": None},
-        "command": " ".join(["python", "benchmarks/run.py"] + sys.argv[1:]), "settings": {
+        "command": bench.command, "settings": {
         "repeats": args.repeats, "max_steps": args.max_steps, "warmup_steps": WARMUP_STEPS, "seq_len": args.seq_len,
         "per_device_batch_size": args.per_device_batch_size, "precision": "fp32",
         "model": "Llama, hidden 256, 4 layers"}}
@@ -203,7 +211,7 @@ def rows(bench: Bench, runs: dict) -> dict:
     results["num_params"] = psi
 
     results["memory"] = []
-    for world in memory_world_sizes:
+    for world in bench.memory_world_sizes:
         for engine in ENGINES + ([ACCELERATE_PREP] if world > 1 else []):
             s = runs[(engine, world)][0]
             limit = 16 * psi / world
@@ -257,7 +265,7 @@ def rows(bench: Bench, runs: dict) -> dict:
         "peak_mem_bytes": spread([r["peak_mem_bytes"] for r in default_buckets])}
 
     results["sharding_cost"] = []
-    for world in world_sizes:
+    for world in bench.world_sizes:
         ddp = runs[("ddp", world)]
         for engine in ENGINES + [ACCELERATE_PREP]:
             mine = runs[(engine, world)]
@@ -340,7 +348,8 @@ def report(results: dict, args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    bench = _bench(_parser().parse_args(argv))
+    argv = sys.argv[1:] if argv is None else argv
+    bench = _bench(_parser().parse_args(argv), " ".join(["python", "benchmarks/run.py", *argv]))
     results = rows(bench, run_all(bench))
     table = report(results, bench.args)
     out_dir = bench.out_dir

@@ -1,12 +1,10 @@
-"""zero_utils.engine and zero_utils.launcher: the typed engine every module asks instead of matching name
-prefixes, the checkpoint policy's settings check, and the one builder of `accelerate launch` lines. The engine
-each launch really builds is checked end to end by tests/test_engines.py (`summary["engine"]` for every shipped
-YAML); here the table itself, written out by hand."""
+"""zero_utils.engine: the typed engine every module asks instead of matching name prefixes, and the checkpoint
+policy's settings check. The engine each launch really builds is checked end to end by tests/test_engines.py
+(`summary["engine"]` for every shipped YAML); here the table itself, written out by hand."""
 
 from __future__ import annotations
 
 import pytest
-from conftest import REPO
 
 from zero_utils import checkpoint
 from zero_utils.engine import Engine
@@ -50,19 +48,3 @@ def test_a_resume_names_each_changed_setting_but_not_run_control():
     assert checkpoint.changed_settings(saved, current) == [
         "the run resumes with settings that differ from the checkpoint's: lr 0.003 -> 0.001."]
     assert checkpoint.changed_settings(saved, saved) == []
-
-
-def test_the_launch_command_is_what_a_user_types(tmp_path):
-    """One helper builds every `accelerate launch` line (tests, benchmarks, compare): options first, each only when
-    given, then the script and its flags. The expected lists are written out by hand."""
-    from zero_utils.launcher import accelerate_launch_command, config_file
-
-    assert accelerate_launch_command("recipes/llama_zero3.py", ["--max_steps", 4], python="py") == [
-        "py", "-m", "accelerate.commands.launch", "recipes/llama_zero3.py", "--max_steps", "4"]
-    assert accelerate_launch_command(
-        "r.py", ["--output_dir", tmp_path], config_file="c.yaml", num_processes=2, main_process_port=29511,
-        mixed_precision="no", launch_args=("--max_restarts", 1), python="py") == [
-        "py", "-m", "accelerate.commands.launch", "--config_file", "c.yaml", "--num_processes", "2",
-        "--main_process_port", "29511", "--mixed_precision", "no", "--max_restarts", "1", "r.py", "--output_dir",
-        str(tmp_path)]
-    assert config_file("fsdp2") == REPO / "accelerate_configs" / "fsdp2.yaml" and config_file("fsdp2").is_file()

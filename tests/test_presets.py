@@ -4,6 +4,7 @@ In process: nothing is launched or downloaded."""
 
 from __future__ import annotations
 
+import dataclasses
 import runpy
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import pytest
 import yaml
 from conftest import REPO
 
-from zero_utils.cli import parse_settings
+from zero_utils.cli import ENGINE_KEYS, parse_settings
 from zero_utils.errors import UserError
 
 pytestmark = pytest.mark.unit
@@ -20,6 +21,7 @@ PRESETS = sorted((REPO / "presets").glob("*.yaml"))
 
 
 def recipe_of(preset) -> str:
+    """A preset's first line names its recipe: `# recipe: recipes/<name>.py`."""
     first = preset.read_text().splitlines()[0]
     assert first.startswith("# recipe: "), f"{preset.name}: the first line names its recipe"
     return first.removeprefix("# recipe: ").strip()
@@ -29,52 +31,117 @@ def settings_class(recipe: str):
     return runpy.run_path(str(REPO / recipe), run_name="preset_test")["Settings"]
 
 
+def run_file(tmp_path, content: str):
+    run = tmp_path / "run.yaml"
+    run.write_text(content)
+    return run
+
+
 def test_there_are_presets_for_real_models():
     assert {p.name for p in PRESETS} >= {"llama-3.2-1b-full.yaml", "llama-3.1-8b-full.yaml", "llama-3.1-8b-lora.yaml"}
+    assert {recipe_of(p) for p in PRESETS} == {"recipes/llama_zero3.py", "recipes/llama_lora.py"}
 
 
 @pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.name)
 def test_every_preset_parses_and_sets_only_real_flags(preset):
-    recipe = recipe_of(preset)
-    settings_cls = settings_class(recipe)
+    settings_cls = settings_class(recipe_of(preset))
     values = yaml.safe_load(preset.read_text())
-    fields = set(settings_cls.__dataclass_fields__)
+    fields = {f.name for f in dataclasses.fields(settings_cls)}
     assert set(values) <= fields, set(values) - fields
     settings = parse_settings(settings_cls, ["--config", str(preset)])
     for key, value in values.items():
         assert getattr(settings, key) == value, key
     text = preset.read_text()
-    assert "GPUs assumed:" in text and "torchtune" in text  # the GPU count and the source of the values
+    assert "GPUs assumed:" in text and "pytorch/torchtune@" in text  # the GPU count and the source of the values
+    assert f"--config presets/{preset.name}" in text  # its own launch line
+
+
+def test_a_preset_holds_the_values_of_its_source(monkeypatch):
+    """Spot checks, copied by hand from torchtune's recipes/configs/llama3_1/8B_lora.yaml and llama3_2/1B_full.yaml."""
+    monkeypatch.chdir(REPO)  # the paths as the presets' launch lines write them
+    lora = parse_settings(settings_class("recipes/llama_lora.py"), ["--config", "presets/llama-3.1-8b-lora.yaml"])
+    assert (lora.lora_r, lora.lora_alpha, lora.lora_dropout, lora.lr, lora.warmup_steps) == (8, 16, 0.0, 3e-4, 100)
+    assert (lora.per_device_batch_size, lora.gradient_accumulation_steps) == (2, 8)
+    assert lora.lora_target_modules == "q_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+    full = parse_settings(settings_class("recipes/llama_zero3.py"), ["--config", "presets/llama-3.2-1b-full.yaml"])
+    assert (full.lr, full.per_device_batch_size, full.gradient_accumulation_steps, full.lr_schedule) == (
+        2e-5, 4, 8, "constant")
 
 
 def test_flags_override_the_file_and_the_file_overrides_defaults(tmp_path):
-    run = tmp_path / "run.yaml"
-    run.write_text("lr: 2.0e-5\nmax_steps: 7\ngradient_checkpointing: true\n")
+    run = run_file(tmp_path, "lr: 2.0e-5\nmax_steps: 7\ngradient_checkpointing: true\n")
     settings_cls = settings_class("recipes/llama_zero3.py")
     settings = parse_settings(settings_cls, ["--config", str(run), "--lr", "1e-4"])
     assert (settings.lr, settings.max_steps, settings.gradient_checkpointing) == (1e-4, 7, True)
     settings = parse_settings(settings_cls, ["--no-gradient_checkpointing", "--config", str(run)])
     assert settings.gradient_checkpointing is False and settings.lr == 2e-5
     assert settings.seq_len == 256  # not in the file: the recipe's default
+    assert "config" not in dataclasses.asdict(settings)  # what checkpoints store: the resolved flags, no file name
+
+
+def test_values_yaml_reads_oddly_still_mean_what_the_flag_would(tmp_path):
+    """PyYAML reads `2e-5` as a string and `-x` could pass for a flag: both reach the flag as its value."""
+    run = run_file(tmp_path, "lr: 2e-5\ncolumns: -p=prompt\nseed: -1\n")
+    settings = parse_settings(settings_class("recipes/llama_zero3.py"), ["--config", str(run)])
+    assert (settings.lr, settings.columns, settings.seed) == (2e-5, "-p=prompt", -1)
 
 
 @pytest.mark.parametrize("content, words", [
-    ("weight_decy: 0.1\n", ["'weight_decy'", "not a flag", "did you mean 'weight_decay'"]),
-    ("mixed_precision: bf16\n", ["'mixed_precision'", "engine setting", "accelerate"]),
+    ("weight_decy: 0.1\n", ["run.yaml sets 'weight_decy', which is not a flag of this recipe (did you mean "
+                            "'weight_decay'?)"]),
+    ("mixed_precision: bf16\n", ["run.yaml sets 'mixed_precision', an engine setting: the accelerate YAML owns it "
+                                 "(accelerate launch --config_file ...)"]),
     ("zero_stage: 3\n", ["'zero_stage'", "engine setting"]),
-    ("lr: fast\n", ["run.yaml", "--lr", "invalid float value: 'fast'"]),
-    ("lr_schedule: linear\n", ["run.yaml", "--lr_schedule", "invalid choice"]),
+    ("zero_optimization: {stage: 3}\n", ["'zero_optimization'", "engine setting"]),
+    ("lr: fast\n", ["run.yaml: argument --lr: invalid float value: 'fast'; fix the value in the file."]),
+    ("max_steps: 0\n", ["run.yaml: --max_steps 0 is below its minimum 1; pass a value >= 1; fix the value in the "
+                        "file."]),
+    ("lr_schedule: linear\n", ["run.yaml: argument --lr_schedule: invalid choice: 'linear'"]),
     ("gradient_checkpointing: yes please\n", ["'gradient_checkpointing'", "true or false"]),
-    ("- lr\n", ["mapping"]),
-    ("lr: [1, 2]\n", ["'lr'", "one value"]),
+    ("- lr\n", ["must be a mapping"]),
+    ("lr: [1, 2]\n", ["sets 'lr' to a list; give one value"]),
+    ("resume:\n", ["sets 'resume' to nothing; give one value"]),
+    ("lr: 1e-4\n  seed: 3\n", ["is not valid YAML"]),
 ])
 def test_a_bad_file_is_one_sentence_naming_the_problem(tmp_path, content, words):
-    run = tmp_path / "run.yaml"
-    run.write_text(content)
+    run = run_file(tmp_path, content)
     with pytest.raises(UserError) as error:
         parse_settings(settings_class("recipes/llama_zero3.py"), ["--config", str(run)])
+    message = str(error.value)
+    assert "\n" not in message and str(run) in message
     for word in words:
-        assert word in str(error.value), (word, str(error.value))
+        assert word in message, (word, message)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--lr", "fast"], "error: argument --lr: invalid float value: 'fast'"),
+    (["--max_steps", "0"], "error: --max_steps 0 is below its minimum 1; pass a value >= 1."),
+])
+def test_a_bad_value_on_the_command_line_reads_as_in_the_file(capsys, argv, message):
+    with pytest.raises(SystemExit):
+        parse_settings(settings_class("recipes/llama_zero3.py"), argv)
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(message)
+
+
+def test_every_accelerate_config_key_is_refused():
+    """Drift guard: a key accelerate's config file gains is an engine key here too."""
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    assert {f.name for f in dataclasses.fields(ClusterConfig)} <= ENGINE_KEYS
+    for recipe in ("recipes/llama_zero3.py", "recipes/llama_lora.py"):
+        assert not ENGINE_KEYS & {f.name for f in dataclasses.fields(settings_class(recipe))}
+
+
+def test_help_names_the_config_flag(capsys):
+    with pytest.raises(SystemExit):
+        parse_settings(settings_class("recipes/llama_lora.py"), ["--help"])
+    assert "--config RUN.yaml" in capsys.readouterr().out
+
+
+def test_readme_presets_exist():
+    readme = (REPO / "README.md").read_text()
+    named = {token.strip("`") for token in readme.split() if token.strip("`").startswith("presets/")}
+    assert named and all((REPO / name).exists() for name in named), named
 
 
 def test_a_missing_file_stops_the_recipe_with_one_line(tmp_path):

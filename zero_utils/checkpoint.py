@@ -1,4 +1,8 @@
-"""Sharded training checkpoints that never lose work: save, resume (also on another world size), export.
+"""Sharded training checkpoints that never lose work, and the policy that decides when they are written.
+
+`Checkpointer` owns a run's checkpoint policy: the resume decision, the metadata written and checked, the cadence,
+background saves and their completion, keep-last pruning, the save on a stop signal. Below it: save, resume (also
+on another world size) and export.
 
 Layout of one checkpoint, `<output_dir>/checkpoints/step_<N>/`:
     model_optim/            DDP, FSDP2, single process: torch.distributed.checkpoint (DCP), each rank writing its

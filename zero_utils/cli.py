@@ -16,21 +16,36 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import sys
 import typing
 from pathlib import Path
 
 from zero_utils.errors import UserError
 
-# Keys of an accelerate config file (`accelerate config`; accelerate's ClusterConfig and its deepspeed_config /
-# fsdp_config sections): the engine, decided by the accelerate YAML alone, never by a recipe's --config file.
+# Keys of an accelerate config file, owned by the accelerate YAML and never by a recipe's --config file: the fields
+# of accelerate's ClusterConfig (accelerate/commands/config/config_args.py, accelerate 1.15), the keys `accelerate
+# config` writes in its deepspeed_config / fsdp_config sections (accelerate/commands/config/cluster.py), and the
+# top-level keys of a DeepSpeed JSON config a user may mean instead. A recipe field of the same name (e.g.
+# gradient_accumulation_steps, which DeepSpeed's section also holds) is a recipe flag: fields are looked up first.
 ENGINE_KEYS = frozenset({
-    "compute_environment", "distributed_type", "mixed_precision", "num_processes", "num_machines", "machine_rank",
-    "main_process_ip", "main_process_port", "main_training_function", "use_cpu", "gpu_ids", "rdzv_backend",
-    "same_network", "downcast_bf16", "dynamo_config", "parallelism_config", "deepspeed_config", "zero_stage",
-    "zero3_init_flag", "zero3_save_16bit_model", "offload_optimizer_device", "offload_param_device",
-    "gradient_clipping", "fsdp_config", "fsdp_version", "fsdp_sharding_strategy", "fsdp_reshard_after_forward",
-    "fsdp_offload_params", "fsdp_cpu_ram_efficient_loading", "fsdp_auto_wrap_policy",
-    "fsdp_transformer_layer_cls_to_wrap", "fsdp_state_dict_type", "fsdp_activation_checkpointing"})
+    # ClusterConfig
+    "compute_environment", "distributed_type", "mixed_precision", "use_cpu", "debug", "num_processes",
+    "num_machines", "machine_rank", "gpu_ids", "main_process_ip", "main_process_port", "rdzv_backend",
+    "same_network", "main_training_function", "enable_cpu_affinity", "downcast_bf16", "deepspeed_config",
+    "fsdp_config", "parallelism_config", "megatron_lm_config", "fp8_config", "dynamo_config", "mpirun_config",
+    "tpu_name", "tpu_zone", "tpu_use_cluster", "tpu_use_sudo", "tpu_vm", "tpu_env", "commands", "command_file",
+    # deepspeed_config section
+    "deepspeed_config_file", "deepspeed_hostfile", "deepspeed_multinode_launcher", "deepspeed_inclusion_filter",
+    "deepspeed_exclusion_filter", "deepspeed_moe_layer_cls_names", "zero_stage", "zero3_init_flag",
+    "zero3_save_16bit_model", "offload_optimizer_device", "offload_optimizer_nvme_path", "offload_param_device",
+    "offload_param_nvme_path", "gradient_clipping",
+    # fsdp_config section
+    "fsdp_version", "fsdp_sharding_strategy", "fsdp_reshard_after_forward", "fsdp_offload_params",
+    "fsdp_auto_wrap_policy", "fsdp_transformer_layer_cls_to_wrap", "fsdp_min_num_params", "fsdp_backward_prefetch",
+    "fsdp_forward_prefetch", "fsdp_state_dict_type", "fsdp_cpu_ram_efficient_loading", "fsdp_sync_module_states",
+    "fsdp_use_orig_params", "fsdp_activation_checkpointing",
+    # DeepSpeed JSON
+    "zero_optimization", "bf16", "fp16", "train_batch_size", "train_micro_batch_size_per_gpu"})
 
 
 def flag(default, help: str, *, min=None, choices=None):
@@ -39,10 +54,13 @@ def flag(default, help: str, *, min=None, choices=None):
 
 
 def parse_settings(settings_cls, argv=None, description: str | None = None):
-    """Parse `argv` (default: sys.argv[1:]) into an instance of the dataclass `settings_cls`.
+    """Parse `argv` (default: sys.argv[1:]) into an instance of the dataclass `settings_cls`, after the values of the
+    `--config` file if one is given (so that the command line wins).
 
-    Values below a field's `min` metadata are rejected with a sentence naming the flag and the bound.
+    Values below a field's `min` metadata are rejected with a sentence naming the flag and the bound; a bad
+    `--config` file raises `UserError` (one sentence naming the file and the key).
     """
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      allow_abbrev=False)
     hints = typing.get_type_hints(settings_cls)
@@ -59,36 +77,36 @@ def parse_settings(settings_cls, argv=None, description: str | None = None):
                             help=help_text + f" (default: {f.default})")
     parser.add_argument("--config", default=None, metavar="RUN.yaml",
                         help="recipe flags from a YAML file (e.g. presets/...); flags given here override it")
-    config_path = _pre_parse_config(argv)
+    config_path = _config_path(argv)
     if config_path:
         from_file = _flags_from_yaml(config_path, settings_cls)
-        _check_with(parser, from_file, config_path)  # a bad value in the file names the file
-        argv = from_file + list(argv if argv is not None else _sys_argv())
+        _check_file_values(parser, settings_cls, from_file, config_path)  # a bad value there names the file
+        argv = from_file + argv
     args = parser.parse_args(argv)
     del args.config
-    for f in dataclasses.fields(settings_cls):
-        bound = f.metadata.get("min")
-        value = getattr(args, f.name)
-        if bound is not None and value is not None and value < bound:
-            parser.error(f"--{f.name} {value} is below its minimum {bound}; pass a value >= {bound}.")
+    problem = _below_min(settings_cls, args)
+    if problem:
+        parser.error(problem)
     return settings_cls(**vars(args))
 
 
-def _sys_argv() -> list[str]:
-    import sys
-
-    return sys.argv[1:]
-
-
-def _pre_parse_config(argv) -> str | None:
+def _config_path(argv: list[str]) -> str | None:
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--config", default=None)
-    known, _ = pre.parse_known_args(argv if argv is not None else _sys_argv())
-    return known.config
+    return pre.parse_known_args(argv)[0].config
+
+
+def _below_min(settings_cls, args: argparse.Namespace) -> str | None:
+    """The sentence for the first value below its field's `min`, or None."""
+    for f in dataclasses.fields(settings_cls):
+        bound, value = f.metadata.get("min"), getattr(args, f.name)
+        if bound is not None and value is not None and value < bound:
+            return f"--{f.name} {value} is below its minimum {bound}; pass a value >= {bound}."
+    return None
 
 
 def _flags_from_yaml(path: str, settings_cls) -> list[str]:
-    """The YAML mapping at `path` as command-line tokens (`--key value`, `--flag` / `--no-flag`), placed before
+    """The YAML mapping at `path` as command-line tokens (`--key=value`, `--flag` / `--no-flag`), placed before
     the real command line so that its flags win. `UserError` for a missing file, invalid YAML, an engine key or
     an unknown key (with the closest flag)."""
     import yaml
@@ -103,7 +121,7 @@ def _flags_from_yaml(path: str, settings_cls) -> list[str]:
     if not isinstance(values, dict):
         raise UserError(f"--config {path} must be a mapping of flag names to values (lr: 2.0e-5), not a "
                         f"{type(values).__name__}.")
-    fields = {f.name: f for f in dataclasses.fields(settings_cls)}
+    fields = {f.name for f in dataclasses.fields(settings_cls)}
     hints = typing.get_type_hints(settings_cls)
     tokens = []
     for key, value in values.items():
@@ -115,50 +133,40 @@ def _flags_from_yaml(path: str, settings_cls) -> list[str]:
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise UserError(f"{path} sets {key!r}, which is not a flag of this recipe{hint}; see --help for the "
                             "flags a --config file may set.")
-        if isinstance(value, (list, dict)):
-            raise UserError(f"{path} sets {key!r} to a {type(value).__name__}; give one value, as on the command "
-                            "line (comma-separated where the flag takes several).")
+        if value is None or isinstance(value, (list, dict)):
+            raise UserError(f"{path} sets {key!r} to {'nothing' if value is None else 'a ' + type(value).__name__}; "
+                            "give one value, as on the command line (comma-separated where the flag takes several).")
         if hints[key] is bool:
             if not isinstance(value, bool):
                 raise UserError(f"{path} sets {key!r} to {value!r}; it is a switch: write true or false.")
             tokens.append(f"--{key}" if value else f"--no-{key}")
         else:
-            tokens += [f"--{key}", str(value)]
+            tokens.append(f"--{key}={value}")  # one token, so that a value starting with "-" stays a value
     return tokens
 
 
-def _check_with(parser: argparse.ArgumentParser, tokens: list[str], path: str) -> None:
-    """Parse the file's tokens alone, so that a bad value is reported as the file's, in argparse's words."""
-    messages = []
-
-    def error(message):
-        messages.append(message)
-        raise SystemExit(2)
-
-    original, parser.error = parser.error, error
+def _check_file_values(parser: argparse.ArgumentParser, settings_cls, tokens: list[str], path: str) -> None:
+    """Parse the file's tokens alone and check their bounds, so that a bad value is reported as the file's, in the
+    words the flag's error uses."""
+    parser.exit_on_error = False  # a bad value raises argparse.ArgumentError (the flag's message) instead of exiting
     try:
-        parser.parse_args(tokens)
-    except SystemExit:
-        raise UserError(f"{path}: {messages[0] if messages else 'invalid value'}; fix the value in the file.") from None
+        problem = _below_min(settings_cls, parser.parse_args(tokens))
+    except argparse.ArgumentError as error:
+        problem = str(error)
     finally:
-        parser.error = original
+        parser.exit_on_error = True
+    if problem:
+        raise UserError(f"{path}: {problem.rstrip('.')}; fix the value in the file.")
 
 
 def run_recipe(main, settings_cls, description: str | None = None) -> None:
     """Parse the flags into `settings_cls`, run `main(settings)`, and turn the errors a user can act on into one
     line on stderr: `UserError` -> "error: ..." and exit 2, `TrainingStopped` -> "stopped: ..." and exit 1."""
-    import sys
-
     from zero_utils.errors import TrainingStopped
 
     try:
-        settings = parse_settings(settings_cls, description=description)
-    except UserError as error:  # a --config file's problem: one line, as for any flag
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
-    try:
-        main(settings)
-    except UserError as error:
+        main(parse_settings(settings_cls, description=description))
+    except UserError as error:  # a --config file's problem or the run's: one line, as for any flag
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
     except TrainingStopped as stopped:

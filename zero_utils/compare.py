@@ -30,8 +30,8 @@ import sys
 import time
 from pathlib import Path
 
+from zero_utils import launcher
 from zero_utils.errors import UserError
-from zero_utils.launcher import accelerate_launch_command
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG_DIR = REPO / "accelerate_configs"
@@ -60,7 +60,7 @@ def launch_command(config_file: Path, num_processes: int, mixed_precision: str |
                    max_steps: int, report_to: str, project: str, group: str, recipe_args: list[str]) -> list[str]:
     """The `accelerate launch` command of one run (launcher options before the recipe, recipe flags after)."""
     tracker = ["--project", project, "--group", group] if report_to != "none" else []
-    return accelerate_launch_command(
+    return launcher.accelerate_launch_command(
         recipe, ["--output_dir", run_dir, "--max_steps", max_steps, "--report_to", report_to, *tracker, *recipe_args],
         config_file=config_file, num_processes=num_processes, mixed_precision=mixed_precision)
 
@@ -73,7 +73,7 @@ def _relative(arg: str) -> str:
 
 def shown_command(cmd: list[str]) -> str:
     """launch_command's list as a user types it: `accelerate launch ...`, paths under the current folder relative."""
-    return shlex.join(["accelerate", "launch", *map(_relative, cmd[3:])])
+    return launcher.shown_command([_relative(arg) for arg in cmd])
 
 
 def error_line(output: str) -> str:

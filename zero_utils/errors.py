@@ -1,4 +1,5 @@
-"""The one exception type for mistakes a user can fix (a path, a column, a flag): recipes print it as one line."""
+"""The exceptions a recipe prints as one line, without a traceback: `UserError` for mistakes a user can fix (a
+path, a column, a flag), `TrainingStopped` for a run that stopped on purpose. Bottom layer: no imports."""
 
 
 class UserError(Exception):

@@ -1,18 +1,23 @@
 """`accelerate launch` command lines, built in one place for the tests, the benchmarks and the compare CLI.
 
 `accelerate_launch_command` returns the argv list (run with `subprocess`); launcher options come first, in a fixed
-order, then the script and its flags. `free_port` gives each launch a rendezvous port of its own: launches that
-share accelerate's default 29500 (two test sessions, or a test and a run by hand) join each other's rendezvous.
+order, then the script and its flags. `shown_command` turns that list into the line a user types. `free_port` gives
+each launch a rendezvous port of its own: launches that share accelerate's default 29500 (two test sessions, or a
+test and a run by hand) join each other's rendezvous.
 Bottom layer: no zero_utils imports.
 """
 
 from __future__ import annotations
 
+import shlex
 import socket
 import sys
 from pathlib import Path
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "accelerate_configs"
+# `python -m` of this module is `accelerate launch` run by a chosen interpreter (the console script may belong to
+# another environment).
+LAUNCH_MODULE = "accelerate.commands.launch"
 
 
 def config_file(name: str) -> Path:
@@ -41,7 +46,7 @@ def accelerate_launch_command(script: str | Path, script_args=(), *, config_file
         launch_args: further accelerate launch options, e.g. ("--max_restarts", "1").
         python: the interpreter (default: this one, so the launch uses this environment's packages).
     """
-    cmd = [python, "-m", "accelerate.commands.launch"]
+    cmd = [python, "-m", LAUNCH_MODULE]
     if config_file is not None:
         cmd += ["--config_file", str(config_file)]
     if num_processes is not None:
@@ -51,3 +56,10 @@ def accelerate_launch_command(script: str | Path, script_args=(), *, config_file
     if mixed_precision:
         cmd += ["--mixed_precision", mixed_precision]
     return cmd + [str(a) for a in launch_args] + [str(script)] + [str(a) for a in script_args]
+
+
+def shown_command(cmd: list[str]) -> str:
+    """An `accelerate_launch_command` list as a user types it: `accelerate launch ...`, shell-quoted."""
+    if cmd[1:3] != ["-m", LAUNCH_MODULE]:
+        raise ValueError(f"not an accelerate_launch_command list: {cmd[:3]}")
+    return shlex.join(["accelerate", "launch", *cmd[3:]])
