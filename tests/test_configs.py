@@ -106,6 +106,20 @@ def test_zero_utils_modules_import_only_lower_layers():
             assert layer_of[other] < layer_of[name], f"zero_utils.{name} imports zero_utils.{other} (same or higher)"
 
 
+def test_lora_recipe_is_the_full_recipe_plus_lines_marked_lora():
+    """recipes/llama_lora.py's docstring says every line that differs from llama_zero3.py is marked [LoRA]: below
+    the docstrings, every added or changed line carries the mark (blank lines aside)."""
+    import difflib
+
+    def body(path):
+        text = (REPO / path).read_text()
+        return text[text.index('"""', 3) + 3:].splitlines()
+
+    added = [line for line in difflib.ndiff(body("recipes/llama_zero3.py"), body("recipes/llama_lora.py"))
+             if line.startswith("+ ") and line[2:].strip()]
+    assert added and all("[LoRA]" in line for line in added), [line for line in added if "[LoRA]" not in line]
+
+
 def test_readme_commands_point_at_real_files():
     readme = (REPO / "README.md").read_text()
     for name in ENGINE_CONFIGS:
