@@ -15,11 +15,9 @@ from zero_utils.errors import UserError
 
 
 def max_over_ranks(accelerator, values: dict[str, int]) -> dict[str, int]:
-    """Element-wise maximum over all ranks of a dict of integers (bytes), in one small all-reduce."""
-    keys = sorted(values)
-    stacked = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=accelerator.device)
-    reduced = accelerator.reduce(stacked, "max") if accelerator.num_processes > 1 else stacked
-    return {k: int(v) for k, v in zip(keys, reduced.tolist(), strict=True)}
+    """Element-wise maximum over all ranks of a dict of integers (bytes), in one small collective
+    (`reduce_step_values`; float64 holds integers exactly up to 2**53)."""
+    return {k: int(v) for k, v in reduce_step_values(accelerator, sums={}, maxes=values).items()}
 
 
 _main_process_works = [0]  # calls of run_on_main_process so far: the same count on every rank

@@ -42,6 +42,7 @@ class RunMeasurements:
         self._saved_activations: dict[str, int] = {}
         self._step_times: list[float] = []
         self._peaks: dict[str, int] = {}
+        self._peak_keys = tuple(peak_memory(self.device))  # which peaks this device reports
         self._t0 = time.perf_counter()
         after_inner_step_once(
             optimizer, lambda: self._local_model_states.update(measure_model_state_bytes(model, optimizer)))
@@ -65,7 +66,7 @@ class RunMeasurements:
         self._step_times.append(step_time_s)
         if self._local_model_states and not self._model_states:
             self._model_states = distributed.max_over_ranks(self.accelerator, self._local_model_states)
-        self._peaks = {k: int(reduced[k]) for k in peak_memory(self.device)}
+        self._peaks = {k: int(reduced[k]) for k in self._peak_keys}
         return {"tokens_per_s": self.tokens_per_step / step_time_s, **self._peaks,
                 "model_state_bytes": self._model_states.get("total"),
                 "model_state_bytes_expected": self.expected_model_state_bytes}
