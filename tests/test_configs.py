@@ -152,3 +152,50 @@ def test_stale_torch_extensions_lock_is_named_and_a_fresh_one_is_not(tmp_path, m
     os.utime(lock, (time.time() - 3600,) * 2)
     with pytest.raises(UserError, match=rf"{lock} is 60 minutes old.*rm {lock}$"):
         accelerator.check_extension_locks()
+
+
+def _tracked_text_files() -> list[Path]:
+    files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    return [REPO / f for f in files if f.endswith((".md", ".py", ".yaml", ".sbatch", ".toml", ".txt"))
+            and not f.startswith("docs/compare/")]  # docs/compare/ holds a report as it was written
+
+
+def test_every_zero_utils_name_in_the_repository_exists():
+    """Docs, YAML comments and docstrings name `zero_utils.<module>[.<attribute>]`: each must import and resolve, so
+    a module that is renamed or split cannot leave stale names behind (four YAMLs and a benchmark kept naming the
+    runtime module after it was split by job)."""
+    import importlib
+    import re
+
+    stale = []
+    for path in _tracked_text_files():
+        for name in sorted(set(re.findall(r"\bzero_utils(?:\.[A-Za-z_]\w*)+", path.read_text()))):
+            module_name, *attributes = name.split(".")[1:]
+            try:
+                obj = importlib.import_module(f"zero_utils.{module_name}")
+            except ModuleNotFoundError:
+                stale.append(f"{path.relative_to(REPO)}: {name}")
+                continue
+            for attribute in attributes:
+                if not hasattr(obj, attribute):
+                    stale.append(f"{path.relative_to(REPO)}: {name}")
+                    break
+                obj = getattr(obj, attribute)
+    assert not stale, stale
+
+
+def test_every_repository_path_in_the_docs_exists():
+    """A file the docs, comments or docstrings name (`benchmarks/gpu.py`, `docs/MEMORY.md`, ...) exists, from the
+    repository root or from the naming file's folder (markdown links)."""
+    import re
+
+    top = "zero_utils|recipes|benchmarks|docs|tests|accelerate_configs|presets|examples|tools"
+    missing = []
+    for path in _tracked_text_files():
+        for name in set(re.findall(rf"(?<![\w./-])((?:{top})/[\w./-]*\.(?:py|md|yaml|sbatch|jsonl?|sh|png))",
+                                   path.read_text())):
+            if name.startswith("recipes/configs/"):  # torchtune's config paths, cited as the presets' source
+                continue
+            if not (REPO / name).exists() and not (path.parent / name).exists():
+                missing.append(f"{path.relative_to(REPO)}: {name}")
+    assert not missing, missing

@@ -60,7 +60,8 @@ def load_causal_lm(name_or_path: str, *, accelerator=None, attn_implementation: 
     ZeRO-3, `zero.Init` would draw them partition by partition in another order: it is switched off for random
     init and stays on for pretrained weights). Engines: all.
 
-    Pretrained weights never need a whole copy on every rank:
+    Under the engines that shard parameters, pretrained weights are read whole by rank 0 alone (DDP and ZeRO-1/2
+    read them on every rank, which holds them whole anyway):
     - FSDP2 with `fsdp_cpu_ram_efficient_loading: true` in the YAML: rank 0 reads the weights; every other rank
       returns the model with its parameters on the meta device, and `wrapping.shard_model` broadcasts rank 0's
       weights shard by shard. With `quantization_config` (QLoRA) every rank loads its own 4-bit copy instead.
