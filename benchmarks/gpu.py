@@ -1,7 +1,7 @@
 """The GPU check: the recipe itself on one CUDA GPU, bf16, a ~1.1B-parameter Llama built from a config.
 
     python benchmarks/gpu.py --download_wheels benchmarks/gpu_wheels   # here, with the package registry: ~6 MB
-    python benchmarks/gpu.py --output_dir $OUT/gpu --wheels benchmarks/gpu_wheels   # the GPU machine (never run yet: time unmeasured)
+    python benchmarks/gpu.py --output_dir $OUT/gpu --wheels benchmarks/gpu_wheels   # GPU machine; never run yet
     python benchmarks/gpu.py --smoke --output_dir runs/gpu-smoke        # a CPU, tiny model: checks the logic
 
 The GPU machine lent to this project has torch, transformers, accelerate, peft, pandas and pyarrow but not

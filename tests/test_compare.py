@@ -1,9 +1,9 @@
 """python -m zero_utils.compare: one real comparison (ddp, zero2, fsdp2 and a config that fails) on 2 processes serves
 the report, chart, W&B and --from assertions; the table logic is also tested in process on hand-made summaries.
 
-The failing config is an accelerate YAML written for the test: fsdp2.yaml with `fsdp_version: 1`, which the runtime
-refuses with a UserError in every rank before any work (deterministic, about 6 s). It also exercises configs given
-as YAML paths.
+The failing config is an accelerate YAML written for the test: fsdp2.yaml with `fsdp_version: 1`, which
+zero_utils.accelerator refuses with a UserError in every rank before any work (deterministic, about 6 s). It also
+exercises configs given as YAML paths.
 """
 
 from __future__ import annotations
@@ -18,8 +18,6 @@ from conftest import CONFIGS, REPO, isolated_env
 
 from zero_utils import compare
 from zero_utils.errors import UserError
-
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 GROUP = "test-compare-group"
 FSDP1_ERROR = "the accelerate config asks for FSDP version 1"
@@ -50,6 +48,8 @@ def comparison(tmp_path_factory):
     return proc, out, env
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_report_has_one_row_per_config_and_the_failure(comparison):
     proc, out, _ = comparison
     assert proc.returncode == 1, proc.stdout + proc.stderr  # 1: the report is written, but a run failed
@@ -65,6 +65,8 @@ def test_report_has_one_row_per_config_and_the_failure(comparison):
     assert "`fsdp1` (failed: " in report and (out / "fsdp1-2x" / "launch.log").is_file()
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_charts_are_legible_pngs(comparison):
     import matplotlib.image
 
@@ -77,6 +79,8 @@ def test_charts_are_legible_pngs(comparison):
         assert height >= 400 and width >= 600
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_one_wandb_offline_run_per_config_in_one_group(comparison):
     proc, out, _ = comparison
     listing = json.loads((out / "comparison.json").read_text())
@@ -98,6 +102,8 @@ def test_one_wandb_offline_run_per_config_in_one_group(comparison):
     assert failed["status"] == "failed" and FSDP1_ERROR in failed["error"] and failed["wandb_run_id"] is None
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_from_rebuilds_the_same_table_without_training(comparison, tmp_path):
     _, out, env = comparison
     run_dirs = [str(out / f"{config}-2x") for config in ("ddp", "zero2", "fsdp2", "fsdp1")]
@@ -126,6 +132,7 @@ def _fake_run(config: str, engine: str | None, state_bytes: float = 0, tokens_pe
             "metrics": [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.0}]}
 
 
+@pytest.mark.unit
 def test_ratios_are_relative_to_the_ddp_row():
     rows, baseline = compare.build_table([_fake_run("fsdp2", "fsdp2", 8e6, 3000), _fake_run("ddp", "ddp", 16e6, 4000),
                                           _fake_run("zero3", None, error="boom | bad")])
@@ -141,6 +148,7 @@ def test_ratios_are_relative_to_the_ddp_row():
     assert table[4].endswith("| failed: boom \\| bad |")  # a pipe in the error does not break the table
 
 
+@pytest.mark.unit
 def test_without_ddp_the_ratios_are_blank(tmp_path):
     runs = [_fake_run("zero2", "zero2", 12e6, 3000), _fake_run("fsdp2", "fsdp2", 8e6, 2500)]
     rows, baseline = compare.build_table(runs)
@@ -151,6 +159,7 @@ def test_without_ddp_the_ratios_are_blank(tmp_path):
     assert all(c.stat().st_size > 0 for c in charts)
 
 
+@pytest.mark.unit
 def test_error_line_prefers_the_recipe_message_then_the_rank_exception():
     assert compare.error_line("noise\n[rank0]: error: --seq_len 9999 is too long; lower it.\nTraceback\n"
                               "subprocess.CalledProcessError: Command ... returned 2") == \
@@ -161,6 +170,7 @@ def test_error_line_prefers_the_recipe_message_then_the_rank_exception():
     assert compare.error_line("") == "no output"
 
 
+@pytest.mark.unit
 def test_user_errors_are_one_line_and_exit_2(tmp_path, capsys):
     with pytest.raises(UserError, match="unknown config 'zero4'; use one of: .*zero3"):
         compare.resolve_config("zero4")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import CONFIGS, ENGINE_CONFIGS, REPO
+from conftest import CONFIGS, ENGINE_CONFIGS, HARNESS, REPO
 
 pytestmark = pytest.mark.unit
 
@@ -88,20 +88,25 @@ LAYERS = [
 ]
 
 
+def zero_utils_imports(path: Path) -> set[str]:
+    """The zero_utils modules a Python file imports, anywhere in it (function-level imports included)."""
+    imported = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module == "zero_utils":
+            imported |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("zero_utils."):
+            imported.add(node.module.split(".")[1])
+        elif isinstance(node, ast.Import):
+            imported |= {a.name.split(".")[1] for a in node.names if a.name.startswith("zero_utils.")}
+    return imported
+
+
 def test_zero_utils_modules_import_only_lower_layers():
     layer_of = {name: i for i, names in enumerate(LAYERS) for name in names}
     modules = {path.stem for path in (REPO / "zero_utils").glob("*.py")} - {"__init__"}
     assert modules <= set(layer_of), f"add {sorted(modules - set(layer_of))} to LAYERS"
     for name in modules:
-        tree = ast.parse((REPO / "zero_utils" / f"{name}.py").read_text())
-        imported = set()
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.module == "zero_utils":
-                imported |= {a.name for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("zero_utils."):
-                imported.add(node.module.split(".")[1])
-            elif isinstance(node, ast.Import):
-                imported |= {a.name.split(".")[1] for a in node.names if a.name.startswith("zero_utils.")}
+        imported = zero_utils_imports(REPO / "zero_utils" / f"{name}.py")
         for other in imported:
             assert layer_of[other] < layer_of[name], f"zero_utils.{name} imports zero_utils.{other} (same or higher)"
 
@@ -199,3 +204,23 @@ def test_every_repository_path_in_the_docs_exists():
             if not (REPO / name).exists() and not (path.parent / name).exists():
                 missing.append(f"{path.relative_to(REPO)}: {name}")
     assert not missing, missing
+
+
+def test_fast_tier_launches_each_engine_family_and_reaches_every_module():
+    """`pytest -m "not slow"` (the tier to run while working, README) keeps one real 2-process launch per engine
+    family and reaches every zero_utils module: through the tests' own imports, or through the recipe those
+    launches run (tests/scripts/harness.py runs recipes/llama_zero3.py), module imports followed transitively."""
+    collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "not slow",
+                                "-p", "no:cacheprovider"], cwd=REPO, capture_output=True, text=True, check=True)
+    fast = {line for line in collected.stdout.splitlines() if "::" in line}
+    for config in ("ddp", "zero3", "fsdp2"):
+        assert f"tests/test_engines.py::test_config_trains_and_names_its_engine[{config}]" in fast
+    entry_points = {REPO / line.split("::")[0] for line in fast} | {REPO / "recipes/llama_zero3.py", HARNESS}
+    reached = set().union(*(zero_utils_imports(path) for path in entry_points))
+    todo = list(reached)
+    while todo:
+        for other in zero_utils_imports(REPO / "zero_utils" / f"{todo.pop()}.py") - reached:
+            reached.add(other)
+            todo.append(other)
+    modules = {path.stem for path in (REPO / "zero_utils").glob("*.py")} - {"__init__"}
+    assert modules <= reached, f"no fast test reaches {sorted(modules - reached)}"

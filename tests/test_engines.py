@@ -10,7 +10,11 @@ import math
 import pytest
 from conftest import ENGINE_CONFIGS, isolated_env
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+pytestmark = pytest.mark.distributed
+
+# The fast tier (`pytest -m "not slow"`) launches one config per engine family; the full suite all eight.
+FAST_CONFIGS = ("ddp", "zero3", "fsdp2")
+CONFIGS = [pytest.param(c, marks=() if c in FAST_CONFIGS else pytest.mark.slow) for c in ENGINE_CONFIGS]
 
 STEPS = 4
 SMOKE_ARGS = ("--max_steps", str(STEPS), "--gradient_accumulation_steps", "2", "--per_device_batch_size", "2",
@@ -33,7 +37,7 @@ def smoke(runs, session_root):
     return get
 
 
-@pytest.mark.parametrize("config", ENGINE_CONFIGS)
+@pytest.mark.parametrize("config", CONFIGS)
 def test_config_trains_and_names_its_engine(smoke, config):
     run = smoke(config)
     metrics = run.metrics()
@@ -45,10 +49,14 @@ def test_config_trains_and_names_its_engine(smoke, config):
     assert summary["engine"] == config and summary["world_size"] == 2 and summary["mixed_precision"] == "bf16"
     assert summary["steps"] == STEPS and math.isfinite(summary["final_loss"])
     assert summary["peak_mem_measured"].startswith("process RSS") and summary["peak_reserved_bytes"] is None  # CPU
+    # each rank's own figures are kept, not only the maximum
+    for key in ("peak_mem_bytes", "model_state_bytes"):
+        per_rank = summary[f"{key}_per_rank"]
+        assert len(per_rank) == 2 and min(per_rank) > 0 and max(per_rank) == summary[key]
     assert f"engine {config} | 2 process(es)" in run.output
 
 
-@pytest.mark.parametrize("config", ENGINE_CONFIGS)
+@pytest.mark.parametrize("config", CONFIGS)
 def test_no_silent_fallback(smoke, config):
     """Both ranks end with the same weights (gathered where sharded), saw different data, and the engine really
     shards what it claims to: a rank training alone, DDP without sync, or DDP in disguise all fail here."""
@@ -69,7 +77,7 @@ def test_no_silent_fallback(smoke, config):
             assert evidence["model_class"].startswith("FSDP") and 0.45 < fraction <= 0.55
 
 
-@pytest.mark.parametrize("config", ENGINE_CONFIGS)
+@pytest.mark.parametrize("config", CONFIGS)
 def test_final_export_loads_with_transformers(smoke, config):
     import torch
     from transformers import AutoModelForCausalLM
@@ -97,10 +105,12 @@ def test_credentials_never_reach_logs_configs_or_summaries(smoke):
         assert not any(secret in text for text in texts)
 
 
+@pytest.mark.slow
 def test_fsdp2_offload_on_cpu_says_it_unpins(smoke):
     assert "pin_memory=False" in smoke("fsdp2_offload").output
 
 
+@pytest.mark.slow
 def test_launch_without_engine_runs_and_says_how_to_get_zero3(runs):
     """Bare `accelerate launch recipe` with no config file and no user default config: accelerate runs one process
     on a machine without GPUs (DDP over all GPUs on a GPU node); the recipe says how to get ZeRO-3."""
@@ -111,6 +121,7 @@ def test_launch_without_engine_runs_and_says_how_to_get_zero3(runs):
     assert "For ZeRO-3 add --config_file accelerate_configs/fsdp2.yaml" in run.output
 
 
+@pytest.mark.slow
 def test_resumed_run_continues_the_same_wandb_run(smoke, runs, session_root):
     """The W&B run id is stored in the checkpoint: the resumed run logs into the same run, one curve."""
     original = smoke("ddp")
@@ -128,7 +139,7 @@ BF16_BYTES_PER_PARAM = {"ddp": lambda n: 16, "zero1": lambda n: 2 + 18 / n, "zer
                         "zero3": lambda n: 20 / n, "fsdp2": lambda n: 16 / n}
 
 
-@pytest.mark.parametrize("config", ENGINE_CONFIGS)
+@pytest.mark.parametrize("config", CONFIGS)
 def test_bf16_model_state_bytes_match_the_formula(smoke, config):
     """The shipped configs run bf16: each rank holds what the bf16 column of the formula says (offload moves
     the same bytes to the host), and what the per-run estimate with the sharding remainder says."""
@@ -137,6 +148,8 @@ def test_bf16_model_state_bytes_match_the_formula(smoke, config):
     assert summary["mixed_precision"] == "bf16"
     assert summary["model_state_bytes"] / summary["num_params"] == pytest.approx(BF16_BYTES_PER_PARAM[row](2), rel=0.01)
     assert summary["model_state_bytes"] == pytest.approx(summary["model_state_bytes_expected"], rel=0.01)
+    for rank_bytes in summary["model_state_bytes_per_rank"]:  # every rank, not only the largest
+        assert rank_bytes / summary["num_params"] == pytest.approx(BF16_BYTES_PER_PARAM[row](2), rel=0.01)
 
 
 OFFLOAD_SWITCHES = {"ddp": {}, "zero1": {"optimizer": False}, "zero2": {"optimizer": False},
@@ -145,7 +158,7 @@ OFFLOAD_SWITCHES = {"ddp": {}, "zero1": {"optimizer": False}, "zero2": {"optimiz
                     "fsdp2": {"params": False}, "fsdp2_zero2": {"params": False}, "fsdp2_offload": {"params": True}}
 
 
-@pytest.mark.parametrize("config", ENGINE_CONFIGS)
+@pytest.mark.parametrize("config", CONFIGS)
 def test_offload_reaches_the_engine_and_states_are_where_it_puts_them(smoke, config):
     """The offload YAMLs switch the engine's own offload on (FSDP2's CPUOffloadPolicy on every sharded group,
     DeepSpeed's optimizer and parameter offload), the others leave it off; every parameter shard and optimizer

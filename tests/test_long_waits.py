@@ -11,7 +11,7 @@ from conftest import isolated_env
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-PREP_S, EXPORT_S, TIMEOUT_S = 25, 15, 10
+PREP_S, EXPORT_S, TIMEOUT_S = 15, 12, 10  # each wait outlasts the timeout
 ARGS = ("--max_steps", "3", "--per_device_batch_size", "2", "--seq_len", "128", "--eval_fraction", "0",
         "--max_new_tokens", "2", "--report_to", "none", "--collective_timeout_s", str(TIMEOUT_S))
 

@@ -4,6 +4,7 @@ parameter counts, activations, the cheapest engine that fits, and the CLI's outp
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -342,3 +343,23 @@ def test_gpu_peaks_are_allocated_and_reserved_since_the_reset(monkeypatch):
     cpu = torch.device("cpu")
     measure.reset_peak_memory(cpu)  # nothing to reset: the RSS high-water mark of the process
     assert list(measure.peak_memory(cpu)) == ["peak_mem_bytes"] and "RSS" in measure.peak_memory_measured(cpu)
+
+
+def test_summary_table_shows_the_ranks_when_they_differ_by_more_than_5_percent():
+    """summary.json keeps each rank's figures; the table a person reads names the smallest and largest rank only
+    when they differ by more than 5% (here 10%: 100 vs 110 MB), and stays one number when they do not (3%)."""
+    from zero_utils import tracking
+
+    base = {"engine": "fsdp2", "world_size": 2, "steps": 4, "final_loss": 1.0, "eval_loss": None,
+            "tokens_per_s": 1000.0, "peak_reserved_bytes": None, "model_state_bytes_expected": 7_690_000}
+    uneven = {**base, "peak_mem_bytes": 110_000_000, "peak_mem_bytes_per_rank": [110_000_000, 100_000_000],
+              "model_state_bytes": 7_690_000, "model_state_bytes_per_rank": [7_690_000, 7_460_000]}
+    table = tracking.summary_table(uneven)
+    assert "110.0 MB (ranks differ by 9%: rank 1 100.0 MB, rank 0 110.0 MB)" in table
+    assert "7.69 / 7.69 MB\n" in table + "\n"  # 3% apart: one number
+    even = {**uneven, "peak_mem_bytes_per_rank": [110_000_000, 107_000_000]}
+    assert "ranks differ" not in tracking.summary_table(even)
+    gpu = {**even, "peak_reserved_bytes": 130_000_000, "peak_reserved_bytes_per_rank": [100_000_000, 130_000_000]}
+    rows = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in tracking.summary_table(gpu).splitlines())
+    assert rows["peak reserved per rank (max)"] == "130.0 MB (ranks differ by 23%: rank 0 100.0 MB, rank 1 130.0 MB)"
+    assert measure.rank_spread([100, 110]) == pytest.approx(10 / 110) and measure.rank_spread(None) is None

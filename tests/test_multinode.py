@@ -15,13 +15,14 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 def launch_two_machines(output_dir, config: str, per_machine: int, small_model: str, extra_launch=(),
-                        batch: int = 4) -> Run:
+                        batch: int = 4, accumulation: int = 1) -> Run:
     port = str(free_port())
     procs = []
     for machine_rank in (0, 1):
         cmd = accelerate_launch_command(
             HARNESS,  # recipes/llama_zero3.py with the per-rank evidence attached
-            ["--output_dir", output_dir, *EIGHT_STEPS, "--model", small_model, "--per_device_batch_size", batch],
+            ["--output_dir", output_dir, *EIGHT_STEPS, "--model", small_model, "--per_device_batch_size", batch,
+             "--gradient_accumulation_steps", accumulation],
             config_file=config_file(config), num_processes=2 * per_machine, main_process_port=port,
             mixed_precision="no", launch_args=("--num_machines", "2", "--machine_rank", machine_rank,
                                                "--main_process_ip", "127.0.0.1", *extra_launch))
@@ -45,11 +46,11 @@ def test_hsdp_shards_within_a_machine_and_replicates_across(session_root, run_la
     (not a quarter, as full sharding over 4 would), and training equals the 4-rank single-machine run."""
     run = launch_two_machines(session_root / "two-machines-hsdp", "multinode_fsdp2_hsdp", 2, small_model,
                               extra_launch=("--parallelism_config_dp_replicate_size", "2",
-                                            "--parallelism_config_dp_shard_size", "2"), batch=2)
+                                            "--parallelism_config_dp_shard_size", "2"), batch=1, accumulation=2)
     summary = run.summary()
     assert summary["engine"] == "fsdp2_hsdp" and summary["world_size"] == 4
     for evidence in summary["sharding_per_rank"]:
         assert 0.45 < evidence["local_param_fraction"] <= 0.55
     assert summary["model_state_bytes"] == pytest.approx(summary["model_state_bytes_expected"], rel=0.01)
-    reference = run_layout("fsdp2", 4, 2, 1)
+    reference = run_layout("fsdp2", 4, 1, 2)  # the 4-rank layout of tests/test_zero_math.py
     assert [m["loss"] for m in run.metrics()] == pytest.approx([m["loss"] for m in reference.metrics()], rel=1e-4)

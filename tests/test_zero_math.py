@@ -1,5 +1,6 @@
 """ZeRO made measurable: every engine trains the same model as single-process training (sharding changes memory,
-not the mathematics), and each rank holds the model-state bytes its engine's formula predicts.
+not the mathematics: the logged loss, the mean over every answer token of the global batch, and the clipped
+gradient norm follow the same curve), and each rank holds the model-state bytes its engine's formula predicts.
 
 One fp32 run per (engine, world size, accumulation) serves the loss-curve, weights, grad-norm and memory
 assertions. The global batch is 8 rows of 64 tokens throughout; clipping at 0.5 is active on every step, so a
@@ -18,8 +19,10 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 ENGINES = ["ddp", "zero1", "zero2", "zero3", "fsdp2", "fsdp2_zero2"]
 OFFLOAD_ENGINES = ["zero3_offload", "fsdp2_offload"]
-# (world size, per-device batch, accumulation): 8 rows per optimizer step in every layout.
-LAYOUTS = [(2, 4, 1), (2, 2, 2), (4, 2, 1)]
+# (world size, per-device batch, accumulation): 8 rows per optimizer step in every layout. Two launches per engine
+# cover 2 and 4 ranks, with and without accumulation: the 4-rank run accumulates, and its memory is read too.
+LAYOUTS = [(2, 4, 1), (4, 1, 2)]
+LAYOUT_OF_WORLD = {world: (world, batch, accumulation) for world, batch, accumulation in LAYOUTS}
 # fp32 on 2 CPU cores: DDP and ZeRO reduce the same gradients in another order than one process; measured
 # differences grow from ~1e-7 to ~3e-5 over 8 steps at this learning rate; 1e-4 still catches any real
 # divergence (a wrong loss scale or a local gradient norm moves the curve by > 1e-2).
@@ -70,9 +73,8 @@ def test_accumulation_does_not_change_single_process_training(run_layout, refere
 def test_model_state_bytes_match_the_engine_formula(run_layout, engine, world):
     """Measured from the live tensors right after the optimizer step, max over ranks, vs the formula with the
     uneven-sharding remainder added exactly; the ratio to DDP is the formula's too."""
-    batch = 8 // world
-    summary = run_layout(engine, world, batch, 1).summary()
-    ddp = run_layout("ddp", world, batch, 1).summary()
+    summary = run_layout(engine, *LAYOUT_OF_WORLD[world]).summary()
+    ddp = run_layout("ddp", *LAYOUT_OF_WORLD[world]).summary()
     assert summary["model_state_bytes"] == pytest.approx(summary["model_state_bytes_expected"], rel=0.01)
     measured_ratio = summary["model_state_bytes"] / ddp["model_state_bytes"]
     expected_ratio = summary["model_state_bytes_expected"] / ddp["model_state_bytes_expected"]
@@ -83,7 +85,7 @@ def test_model_state_bytes_match_the_engine_formula(run_layout, engine, world):
 
 def test_sharded_memory_shrinks_with_world_size(run_layout):
     for engine in ("zero3", "fsdp2"):
-        two, four = (run_layout(engine, w, 8 // w, 1).summary()["model_state_bytes"] for w in (2, 4))
+        two, four = (run_layout(engine, *LAYOUT_OF_WORLD[w]).summary()["model_state_bytes"] for w in (2, 4))
         assert four / two == pytest.approx(0.5, rel=0.02)
 
 
@@ -98,6 +100,16 @@ def test_world_size_that_does_not_divide_the_model(runs, small_model, engine):
     assert_same_training(run, reference)
     summary = run.summary()
     assert summary["model_state_bytes"] == pytest.approx(summary["model_state_bytes_expected"], rel=0.01)
+    # Each rank's own bytes, next to what it holds (the harness's sharding evidence, walked independently):
+    # fp32 Adam keeps 16 bytes per parameter element a rank holds (weight, gradient, two moments).
+    per_rank = summary["model_state_bytes_per_rank"]
+    assert len(per_rank) == 3 and max(per_rank) == summary["model_state_bytes"]
+    if engine != "zero3":  # DeepSpeed adds its own fp32 gradient partition and padding (checked by the formula)
+        held = [e["local_param_fraction"] * summary["num_params"] for e in summary["sharding_per_rank"]]
+        assert per_rank == pytest.approx([16 * n for n in held], rel=1e-6)
+    if engine == "fsdp2":  # uneven shards: the ranks differ, and the summary keeps each one
+        assert len(set(per_rank)) > 1
+    assert max(summary["peak_mem_bytes_per_rank"]) == summary["peak_mem_bytes"]
 
 
 @pytest.mark.parametrize("config", ["fsdp2", "fsdp2_zero2"])

@@ -20,6 +20,19 @@ def max_over_ranks(accelerator, values: dict[str, int]) -> dict[str, int]:
     return {k: int(v) for k, v in reduce_step_values(accelerator, sums={}, maxes=values).items()}
 
 
+def per_rank(accelerator, values: dict[str, int]) -> dict[str, list[int]]:
+    """Every rank's value of each integer in `values` (bytes), in one small collective: {name: [rank 0's, rank 1's,
+    ...]} on every rank (float64 holds integers exactly up to 2**53). Engines: all."""
+    every_rank = _every_rank(accelerator, list(values.values()))
+    return {k: [int(v) for v in column] for k, column in zip(values, every_rank.T.tolist(), strict=True)}
+
+
+def _every_rank(accelerator, values: list) -> torch.Tensor:
+    """A (ranks x len(values)) float64 tensor of every rank's scalars, from one all-gather."""
+    local = torch.stack([torch.as_tensor(v, dtype=torch.float64).to(accelerator.device).reshape(()) for v in values])
+    return accelerator.gather(local).reshape(-1, len(values)) if accelerator.num_processes > 1 else local[None]
+
+
 _main_process_works = [0]  # calls of run_on_main_process so far: the same count on every rank
 
 
@@ -89,9 +102,7 @@ def reduce_step_values(accelerator, *, sums: dict[str, torch.Tensor | float],
     a (ranks x values) float64 tensor instead of one all-reduce and one `.item()` each. Values are scalars
     (0-dim tensors on any device, or Python numbers). Returns {name: float} for every key of both dicts."""
     keys = [*sums, *maxes]
-    local = torch.stack([torch.as_tensor(v, dtype=torch.float64).to(accelerator.device).reshape(())
-                         for v in (*sums.values(), *maxes.values())])
-    every_rank = accelerator.gather(local).reshape(-1, len(keys)) if accelerator.num_processes > 1 else local[None]
+    every_rank = _every_rank(accelerator, [*sums.values(), *maxes.values()])
     reduced = torch.cat([every_rank[:, :len(sums)].sum(0), every_rank[:, len(sums):].amax(0)])
     return dict(zip(keys, reduced.tolist(), strict=True))  # the one host sync
 

@@ -26,7 +26,7 @@ class RunMeasurements:
             values = distributed.reduce_step_values(accelerator, sums=..., maxes=meter.peak_memory())
             ...optimizer step...
             metrics = meter.step_metrics(values)                   # time, tokens/s, peaks, model-state bytes
-        summary = meter.summary()
+        summary = meter.summary()                                  # every rank: one collective
 
     Create it after `accelerator.prepare`, right before the loop: memory peaks count from then on (CUDA), so they
     show training, not loading. Model-state bytes are measured once, right after the innermost optimizer's first
@@ -41,7 +41,8 @@ class RunMeasurements:
         self._model_states: dict[str, int] = {}  # max over ranks, once measured
         self._saved_activations: dict[str, int] = {}
         self._step_times: list[float] = []
-        self._peaks: dict[str, int] = {}
+        self._peaks: dict[str, int] = {}  # max over ranks, from the last step's reduction
+        self._local_peaks: dict[str, int] = {}  # this rank's, as sent to that reduction
         self._peak_keys = tuple(peak_memory(self.device))  # which peaks this device reports
         self._t0 = time.perf_counter()
         after_inner_step_once(
@@ -57,7 +58,8 @@ class RunMeasurements:
 
     def peak_memory(self) -> dict[str, int]:
         """This rank's memory peaks so far (see `peak_memory`), to be maxed over ranks with the step's values."""
-        return peak_memory(self.device)
+        self._local_peaks = peak_memory(self.device)
+        return self._local_peaks
 
     def step_metrics(self, reduced: dict[str, float]) -> dict:
         """The step's measurements for its log line: tokens_per_s, the memory peaks (max over ranks, taken from
@@ -72,8 +74,15 @@ class RunMeasurements:
                 "model_state_bytes_expected": self.expected_model_state_bytes}
 
     def summary(self) -> dict:
-        """Medians of step time and tokens/s, the last peaks, model-state bytes measured and expected (with the
-        params/grads/optimizer breakdown), saved-activation bytes, and what the peaks measured, in words."""
+        """Medians of step time and tokens/s, the last peaks (max over ranks), model-state bytes measured (max over
+        ranks) and expected (with the params/grads/optimizer breakdown), saved-activation bytes, what the peaks
+        measured, in words, and each rank's own peaks and model-state bytes: `peak_mem_bytes_per_rank`
+        (`peak_reserved_bytes_per_rank` on CUDA) and `model_state_bytes_per_rank`, lists indexed by rank, so that
+        an uneven rank shows (`rank_spread`). A collective: every rank must call it, once, after the loop."""
+        local = {f"{k}_per_rank": v for k, v in self._local_peaks.items()}
+        if self._local_model_states:
+            local["model_state_bytes_per_rank"] = self._local_model_states["total"]
+        every_rank = distributed.per_rank(self.accelerator, local) if local else {}
         return {
             "tokens_per_s": statistics.median(self.tokens_per_step / t for t in self._step_times)
             if self._step_times else None,
@@ -85,7 +94,16 @@ class RunMeasurements:
             "saved_activation_bytes": self._saved_activations.get("saved"),
             "model_state_bytes_expected": self.expected_model_state_bytes,
             "model_state_breakdown_bytes": self._model_states or None,
+            **every_rank,
         }
+
+
+def rank_spread(per_rank: list[int | float] | None) -> float | None:
+    """How far a per-rank figure's ranks differ: (max - min) / max, e.g. 0.05 when the smallest rank holds 5%
+    less than the largest; None without values."""
+    if not per_rank or max(per_rank) <= 0:
+        return None
+    return (max(per_rank) - min(per_rank)) / max(per_rank)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

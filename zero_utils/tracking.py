@@ -12,6 +12,7 @@ import netrc
 import os
 from pathlib import Path
 
+from zero_utils.measure import rank_spread
 from zero_utils.versions import software_versions
 
 
@@ -106,16 +107,34 @@ def _loggable(config: dict) -> dict:
     return {k: v if isinstance(v, (int, float, str, bool)) or v is None else str(v) for k, v in config.items()}
 
 
+RANK_SPREAD_SHOWN = 0.05  # the summary table names each rank's figure when ranks differ by more than this
+
+
 def summary_table(summary: dict) -> str:
-    """The end-of-run table a person reads: engine, world size, steps, losses, tokens/s, memory (MB = 1e6 bytes)."""
+    """The end-of-run table a person reads: engine, world size, steps, losses, tokens/s, memory (MB = 1e6 bytes).
+    A memory row whose ranks differ by more than 5% (`measure.rank_spread` of its `*_per_rank` list) also shows
+    the smallest and largest rank: an uneven shard or a rank that holds more than its share stands out."""
     def fmt(value, spec):
         return format(value, spec) if isinstance(value, (int, float)) else "n/a"
+
+    def spread(key, spec):
+        values = s.get(f"{key}_per_rank")
+        fraction = rank_spread(values)
+        if fraction is None or fraction <= RANK_SPREAD_SHOWN:
+            return ""
+        low, high = values.index(min(values)), values.index(max(values))
+        return (f" (ranks differ by {fraction:.0%}: rank {low} {fmt(values[low] / 1e6, spec)} MB, "
+                f"rank {high} {fmt(values[high] / 1e6, spec)} MB)")
     s = summary
     rows = [("engine", s["engine"]), ("world size", s["world_size"]), ("steps", s["steps"]),
             ("final loss", fmt(s["final_loss"], ".4f")), ("eval loss", fmt(s["eval_loss"], ".4f")),
             ("tokens/s (median, global)", fmt(s["tokens_per_s"], ",.0f")),
-            ("peak memory per rank (max)", fmt((s["peak_mem_bytes"] or 0) / 1e6, ",.1f") + " MB"),
+            ("peak memory per rank (max)", fmt((s["peak_mem_bytes"] or 0) / 1e6, ",.1f") + " MB"
+             + spread("peak_mem_bytes", ",.1f")),
             ("model states per rank: measured / expected", fmt((s["model_state_bytes"] or 0) / 1e6, ".2f") + " / "
-             + fmt(s["model_state_bytes_expected"] / 1e6, ".2f") + " MB")]
+             + fmt(s["model_state_bytes_expected"] / 1e6, ".2f") + " MB" + spread("model_state_bytes", ".2f"))]
+    if s.get("peak_reserved_bytes") is not None:
+        rows.insert(7, ("peak reserved per rank (max)", fmt(s["peak_reserved_bytes"] / 1e6, ",.1f") + " MB"
+                        + spread("peak_reserved_bytes", ",.1f")))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
