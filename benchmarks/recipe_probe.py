@@ -14,9 +14,10 @@ BENCH_COMMS_STEP=S  counts every c10d collective of optimizer step S with torch.
                     scalar all-reduces (token count, loss, grad norm, metrics maxima).
 BENCH_DEEPSPEED_DEFAULT_BUCKETS=1  leaves DeepSpeed's bucket sizes at its own defaults (what the Trainer gets from
                     the same YAML) instead of zero_utils.accelerator's (the hidden size's, at least 25 MiB).
-BENCH_DEEPSPEED_ZERO='{"key": value, ...}'  overrides DeepSpeed `zero_optimization` settings after the runtime has
-                    sized its buckets (one setting at a time, for ablations): e.g. '{"reduce_bucket_size": 65536,
-                    "stage3_prefetch_bucket_size": 58982}' is accelerate's plain "auto" at hidden 256.
+BENCH_DEEPSPEED_ZERO='{"key": value, ...}'  overrides DeepSpeed `zero_optimization` settings once
+                    zero_utils.accelerator has sized its buckets (one setting at a time, for ablations): e.g.
+                    '{"reduce_bucket_size": 65536, "stage3_prefetch_bucket_size": 58982}' is accelerate's plain
+                    "auto" at hidden 256.
 BENCH_COMPILE_BLOCKS=1  compiles every decoder block in place (`nn.Module.compile`, parameter names unchanged)
                     before sharding, as torchtitan compiles per block (benchmarks/gpu.py's compiled variant).
 BENCH_ACCELERATE_FSDP2_PREP=1  skips zero_utils.wrapping.shard_model: accelerate's `prepare` then applies
