@@ -35,8 +35,8 @@ args = workload.parser(__doc__).parse_args()
 # its own from the launch's environment, as it would for a user.
 use_configured_state = accelerator_setup.requested_engine_family() != "deepspeed"
 if use_configured_state:
-    accelerator = accelerator_setup.build_accelerator(per_device_batch_size=args.per_device_batch_size,
-                                            gradient_accumulation_steps=1, max_grad_norm=1.0)
+    accelerator, _ = accelerator_setup.build_accelerator(per_device_batch_size=args.per_device_batch_size,
+                                                         gradient_accumulation_steps=1, max_grad_norm=1.0)
 else:
     accelerator = PartialState(backend="gloo" if not torch.cuda.is_available() else None)
 world = accelerator.num_processes
@@ -96,4 +96,4 @@ if trainer.accelerator.is_main_process:
     }
     Path(args.output_dir, "trainer.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result))
-distributed.close_and_exit(trainer.accelerator)
+accelerator_setup.close_and_exit(trainer.accelerator)

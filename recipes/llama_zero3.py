@@ -37,27 +37,29 @@ import torch.nn.functional as F
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
-from zero_utils import attention, checkpoint, data, distributed, errors, generate, memory, tracking, wrapping
-from zero_utils.accelerator import build_accelerator, size_deepspeed_buckets
+from zero_utils import tracking
+from zero_utils.accelerator import build_accelerator, close_and_exit
+from zero_utils.checkpoint import Checkpointer, checkpoint_bytes
 from zero_utils.cli import flag, run_recipe
-from zero_utils.engine import Engine, shard_group_size
+from zero_utils.data import BUNDLED_DATASET, TrainingData
 from zero_utils.measure import RunMeasurements
 from zero_utils.model import (
     BUNDLED_MODEL,
     count_parameters,
+    greedy_answer,
     load_causal_lm,
     load_config,
     load_tokenizer,
-    restore_fp32_master_weights,
 )
 from zero_utils.optim import build_adamw, describe_param_groups, lr_at, set_lr
+from zero_utils.parallelize import FSDPWrapping, after_prepare, parallelize
 
 
 # ---------------------------------------------------------------------------------------------- settings
 @dataclass
 class Settings:
     model: str = flag(BUNDLED_MODEL, "Hub id or local folder of a causal LM")
-    dataset: str = flag(data.BUNDLED_DATASET, "Hub id or local file/folder")
+    dataset: str = flag(BUNDLED_DATASET, "Hub id or local file/folder")
     columns: str = flag("", "rename columns, e.g. prompt=question,completion=answer")
     output_dir: str = flag("runs/llama_zero3", "where metrics, checkpoints and final/ go")
     max_steps: int = flag(150, "optimizer steps", min=1)
@@ -84,118 +86,81 @@ class Settings:
     attn_implementation: str = flag("", "sdpa (default), eager, flash_attention_2, ...")
     trust_remote_code: bool = flag(False, "run the model repository's own Python code (only for repos you trust)")
     gradient_checkpointing: bool = flag(False, "recompute each block's activations in backward (less memory)")
-    fsdp_reshard_last_block: bool = flag(False, "FSDP2: reshard the last block after forward too (less memory, "
-                                         "one more all-gather)")
-    fsdp_embedding_group: bool = flag(True, "FSDP2: the input embedding is its own unit (else the root's, "
-                                      "gathered all step)")
-    fsdp_prefetch_blocks: int = flag(1, "FSDP2: all-gathers of the next K blocks started early (1 = implicit)",
-                                     min=1)
+    fsdp_reshard_last_block: bool = flag(FSDPWrapping.reshard_last_block, "FSDP2: reshard the last block after "
+                                         "forward too (less memory, one more all-gather)")
+    fsdp_embedding_group: bool = flag(FSDPWrapping.embedding_group, "FSDP2: the input embedding is its own unit "
+                                      "(else the root's, gathered all step)")
+    fsdp_prefetch_blocks: int = flag(FSDPWrapping.prefetch_blocks, "FSDP2: all-gathers of the next K blocks "
+                                     "started early (1 = implicit)", min=1)
     prompt: str = flag("What is the capital of France?", "answered greedily at the end")
     max_new_tokens: int = flag(24, "tokens generated for --prompt", min=0)
     async_save: bool = flag(False, "FSDP2/DDP: write checkpoints in the background while training goes on")
 
 
 def main(cfg: Settings) -> None:
-    # ------------------------------------------------------------------------------ accelerator, seed, resume
-    accelerator = build_accelerator(
+    # ------------------------------------------------------------------------------ accelerator and engine
+    accelerator, engine = build_accelerator(  # the engine is what the YAML decided
         per_device_batch_size=cfg.per_device_batch_size, gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         max_grad_norm=cfg.max_grad_norm, log_with=tracking.trackers_for(cfg.report_to), project_dir=cfg.output_dir,
         timeout_s=cfg.collective_timeout_s)
-    engine = Engine.of(accelerator)  # what runs, read from the accelerator (the YAML decided it)
-    world, rank, device = accelerator.num_processes, accelerator.process_index, accelerator.device
-    # Owns resume, cadence, async saves, keep-last, metadata and the save on SIGTERM/SIGINT/SIGUSR1.
-    checkpointer = checkpoint.Checkpointer(
+    world = accelerator.num_processes
+    # Owns resume, cadence, async saves, keep-last, metadata and the save after SIGTERM/SIGINT/SIGUSR1.
+    checkpointer = Checkpointer(
         accelerator, engine, cfg.output_dir, resume=cfg.resume, overwrite=cfg.overwrite, save_every=cfg.save_every,
         keep_last=cfg.keep_last, max_steps=cfg.max_steps, async_save=cfg.async_save, seed=cfg.seed,
         settings=asdict(cfg))
     set_seed(cfg.seed)
 
     # ------------------------------------------------------------------------------ data
-    # Packed rows hold several examples: sdpa/eager keep them apart with per-row block masks, flash-attention with
-    # the examples' offsets passed to its varlen kernel; any other implementation is refused here, before data prep.
-    attention_path = attention.packing_path(cfg.attn_implementation)
     tokenizer = load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code)
     model_config = load_config(cfg.model, cfg.trust_remote_code)
-    data.check_seq_len(cfg.seq_len, model_config.max_position_embeddings)  # before tokenizing anything
-    train_rows, eval_rows, data_info = data.build_sft_datasets(
-        accelerator, tokenizer, cfg.dataset, cfg.seq_len, cfg.eval_fraction, cfg.seed,
-        data.parse_column_map(cfg.columns), vocab_size=model_config.vocab_size)  # pads inside the embedding
-    global_batch = cfg.per_device_batch_size * cfg.gradient_accumulation_steps * world
-    data.check_enough_rows(len(train_rows), global_batch)
-    loss_tokens_per_row = data.loss_tokens_per_row(train_rows)  # each step's token count, with no collective
-    checkpointer.check_resume(model_config, global_batch)  # an incompatible checkpoint fails here, before loading
+    train_data = TrainingData.prepare(  # tokenized and packed once; sliced per step into this rank's micro-batches
+        accelerator, tokenizer, model_config, dataset=cfg.dataset, columns=cfg.columns, seq_len=cfg.seq_len,
+        eval_fraction=cfg.eval_fraction, seed=cfg.seed, per_device_batch_size=cfg.per_device_batch_size,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps, attn_implementation=cfg.attn_implementation)
+    checkpointer.check(model_config, train_data.global_batch_rows)  # an incompatible checkpoint fails here
 
-    # ------------------------------------------------------------------------------ model
+    # ------------------------------------------------------------------------------ model, parallelize
     model = load_causal_lm(cfg.model, accelerator=accelerator, attn_implementation=cfg.attn_implementation or None,
                            trust_remote_code=cfg.trust_remote_code)
     num_params = count_parameters(model, trainable_only=True)
-    if cfg.gradient_checkpointing:  # before sharding, so every engine wraps the checkpointed blocks
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if engine.is_fsdp2:  # [FSDP2] shard block by block, then the root, before the optimizer sees params
-        wrapping.shard_model(model, accelerator, reshard_last_block=cfg.fsdp_reshard_last_block,
-                             embedding_group=cfg.fsdp_embedding_group, prefetch_blocks=cfg.fsdp_prefetch_blocks)
-    elif any(getattr(cfg, f) != getattr(Settings, f) for f in ("fsdp_reshard_last_block", "fsdp_embedding_group",
-                                                               "fsdp_prefetch_blocks")):
-        accelerator.print(f"warning: the --fsdp_* wrapping flags have no effect under {engine}.")
-    if engine.is_deepspeed:  # [DeepSpeed] communication buckets sized from the model's hidden size
-        size_deepspeed_buckets(accelerator, model)
+    parallelize(model, accelerator, engine, activation_checkpointing=cfg.gradient_checkpointing,
+                fsdp=FSDPWrapping(cfg.fsdp_reshard_last_block, cfg.fsdp_embedding_group, cfg.fsdp_prefetch_blocks))
 
     # ------------------------------------------------------------------------------ optimizer, prepare, resume
     optimizer = build_adamw(model, cfg.lr, cfg.weight_decay)
     param_groups = describe_param_groups(optimizer)  # decay / no-decay: the same under every engine
-    expected_state_bytes = memory.expected_model_state_bytes(
-        engine, num_params, world, accelerator.mixed_precision, param_groups=memory.param_group_shapes(optimizer),
-        shard_group_size=shard_group_size(accelerator))
     model, optimizer = accelerator.prepare(model, optimizer)
-    if engine.is_deepspeed and accelerator.mixed_precision != "no":
-        restore_fp32_master_weights(model, cfg.model)  # [DeepSpeed] the master from the checkpoint, not its bf16 cast
-    start_step = checkpointer.load(model, optimizer, hf_files=(accelerator.unwrap_model(model).config, tokenizer))
-
-    # ------------------------------------------------------------------------------ tracking
+    after_prepare(model, accelerator, engine, cfg.model)  # [DeepSpeed] the fp32 master from the checkpoint's weights
     run_config = {**asdict(cfg), "engine": engine.name, "world_size": world, "num_params": num_params,
                   "optimizer_param_groups": param_groups, "mixed_precision": accelerator.mixed_precision,
-                  "global_batch_rows": global_batch}
+                  "global_batch_rows": train_data.global_batch_rows}
     tracker = tracking.RunTracker(accelerator, cfg.output_dir, cfg.report_to, cfg.project, config=run_config,
                                   run_name=f"{engine}-{world}x", group=cfg.group or None,
-                                  resume_step=checkpointer.resumed_step,
-                                  resume_run_id=checkpointer.resumed_tracker_run_id)
-    checkpointer.tracker_run_id = tracker.run_id  # a resumed run continues the same W&B run
-    tokens_per_step = global_batch * cfg.seq_len
-    accelerator.print(
-        f"engine {engine} | {world} process(es) | micro-batch {cfg.per_device_batch_size} x accumulation "
-        f"{cfg.gradient_accumulation_steps} x {world} = global batch {global_batch} rows = {tokens_per_step} tokens | "
-        f"{num_params / 1e6:.2f}M params | model states per rank (expected): {expected_state_bytes / 1e6:.1f} MB | "
-        f"mixed precision: {accelerator.mixed_precision}"
-        + (f" | resumed from {checkpointer.resume_from} at step {start_step}" if start_step else ""))
-    accelerator.print(data.describe(data_info, cfg.seq_len))
-    if engine.is_data_parallel_only:
-        accelerator.print(f"no ZeRO engine named by the launch: running {engine}. For ZeRO-3 add --config_file "
-                          "accelerate_configs/fsdp2.yaml (or zero3.yaml for DeepSpeed) to accelerate launch.")
+                                  resumed=checkpointer.resumed)  # a resumed run continues its W&B run
+    start_step = checkpointer.load(model, optimizer, hf_files=(accelerator.unwrap_model(model).config, tokenizer),
+                                   tracker_run_id=tracker.run_id)
+    # tokens/s, memory peaks from here on, model-state bytes next to the formula's, saved-activation bytes
+    meter = RunMeasurements(accelerator, engine, model, optimizer, tokens_per_step=train_data.tokens_per_step,
+                            max_bad_steps=cfg.max_bad_steps, newest_checkpoint=checkpointer.newest)
+    accelerator.print(f"engine {engine} | {world} process(es) | {num_params / 1e6:.2f}M params | model states per "
+                      f"rank (expected): {meter.expected_model_state_bytes / 1e6:.1f} MB | mixed precision: "
+                      f"{accelerator.mixed_precision}" + (f" | resumed from {checkpointer.resume_from} at step "
+                                                          f"{start_step}" if start_step else ""))
+    accelerator.print(train_data.describe())  # the batch arithmetic and the packed data
 
-    def token_loss_sum(batch):
-        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False,
-                       **attention.packed_kwargs(batch["position_ids"], attention_path)).logits
-        return F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(),
-                               ignore_index=data.IGNORE_INDEX, reduction="sum")
+    def token_loss_sum(micro):  # summed over the micro-batch's answer tokens
+        logits = model(**micro.inputs).logits
+        return F.cross_entropy(logits.float().flatten(0, 1), micro.labels.flatten(),
+                               ignore_index=train_data.ignore_index, reduction="sum")
 
-    def evaluate():
-        model.eval()
-        totals = torch.zeros(2, device=device)
-        with torch.no_grad():
-            for batch in data.eval_micro_batches(eval_rows, rank, world, cfg.per_device_batch_size, device):
-                num_tokens = (batch["labels"] != data.IGNORE_INDEX).sum().float()
-                totals += torch.stack([token_loss_sum(batch), num_tokens])
-        wrapping.reshard_after_inference(model)  # [FSDP2] free what eval left gathered
-        model.train()
-        totals = accelerator.reduce(totals, "sum")
-        return (totals[0] / totals[1]).item()
+    def evaluate(step):  # mean loss over the held-out answer tokens, every --eval_every steps and at the end
+        due = step == cfg.max_steps or (cfg.eval_every and step % cfg.eval_every == 0)
+        return meter.eval_loss(token_loss_sum, train_data.eval_batches()) if due and train_data.has_eval else None
 
     # ------------------------------------------------------------------------------ training loop
     model.train()
-    # tokens/s, memory peaks from here on, model-state bytes next to the formula, saved-activation bytes
-    meter = RunMeasurements(accelerator, model, optimizer, tokens_per_step=tokens_per_step,
-                            expected_model_state_bytes=expected_state_bytes)
-    last, bad_steps = {}, 0
+    stopped, eval_loss, last = False, None, None
     progress = tqdm(range(start_step + 1, cfg.max_steps + 1), initial=start_step, total=cfg.max_steps,
                     disable=not accelerator.is_main_process, desc=f"train [{engine}]")
     for step in progress:
@@ -203,68 +168,50 @@ def main(cfg: Settings) -> None:
         lr = lr_at(step, max_steps=cfg.max_steps, peak_lr=cfg.lr, warmup_steps=cfg.warmup_steps,
                    schedule=cfg.lr_schedule)
         set_lr(optimizer, lr)
-        indices = data.global_batch_indices(len(train_rows), global_batch, step, cfg.seed)
-        micro_batches = data.rank_micro_batches(train_rows, indices, rank, world, cfg.per_device_batch_size,
-                                                cfg.gradient_accumulation_steps, device)
-        # The loss is the mean over every answer token of the global batch: scale each micro-batch's token-loss
-        # sum so that (after accelerate divides by the accumulation steps and the engine averages over ranks) the
-        # gradient is d(sum of token losses)/d(theta) / global token count.
-        global_tokens = data.global_batch_loss_tokens(loss_tokens_per_row, indices)
-        loss_sum = torch.zeros((), device=device)
-        for batch in micro_batches:
+        batches = train_data.step_batches(step)  # this rank's micro-batches, and the global batch's answer tokens
+        # The loss is the mean over the global batch's answer tokens: after accelerate divides by the accumulation
+        # steps and the engine averages over ranks, the gradient is d(sum of token losses)/d(theta) / token count.
+        scale = world * cfg.gradient_accumulation_steps / batches.loss_tokens
+        loss_sum = torch.zeros((), device=accelerator.device)
+        for micro in batches.micro_batches:
             with accelerator.accumulate(model), meter.count_saved_activations():  # the first forward is measured
-                micro_loss_sum = token_loss_sum(batch)
-                accelerator.backward(micro_loss_sum * (world * cfg.gradient_accumulation_steps / global_tokens))
+                micro_loss_sum = token_loss_sum(micro)
+                accelerator.backward(micro_loss_sum * scale)
                 loss_sum += micro_loss_sum.detach()
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-        # One collective and one host sync per step: the loss, the gradient norm, the memory peaks and whether a
-        # stop signal reached any rank travel together.
-        values = distributed.reduce_step_values(
-            accelerator, sums={"loss_sum": loss_sum},
-            maxes={"grad_norm": distributed.local_scalar(grad_norm), "stop": checkpointer.stop_requested_here(),
-                   **meter.peak_memory()})
-        step_loss = values["loss_sum"] / global_tokens
-        if not math.isfinite(step_loss):
-            # Skip the update (DeepSpeed has already applied it inside backward) and stop past --max_bad_steps,
-            # without saving: the last good checkpoint stays the newest.
+        # The step's one collective and host sync: loss, gradient norm, memory peaks, and any rank's stop signal.
+        result = meter.end_step(step, lr=lr, loss_sum=loss_sum, loss_tokens=batches.loss_tokens, grad_norm=grad_norm)
+        if result.skipped:  # a non-finite loss: no update (past --max_bad_steps end_step stops the run)
             optimizer.zero_grad()
-            bad_steps += 1
-            if bad_steps > cfg.max_bad_steps:
-                raise errors.non_finite_loss(step_loss, step, bad_steps, cfg.max_bad_steps,
-                                             newest_checkpoint=checkpoint.newest_complete(cfg.output_dir))
-            accelerator.print(f"warning: non-finite loss at step {step}, update skipped ({bad_steps} so far)")
             continue
         optimizer.step()
         optimizer.zero_grad()
-        last = {"step": step, "loss": step_loss, "lr": lr, "grad_norm": values["grad_norm"],
-                **meter.step_metrics(values)}
-        if eval_rows is not None and ((cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps):
-            last["eval_loss"] = evaluate()
-        tracker.log_step(last)
-        progress.set_postfix(loss=f"{step_loss:.3f}", tok_s=f"{last['tokens_per_s']:.0f}")
-        checkpointer.step(step, stop=values["stop"] > 0)  # saves when due; after a stop signal: saves and exits
+        eval_loss = evaluate(step)  # None unless due
+        tracker.log_step(result, eval_loss=eval_loss)
+        last = result
+        progress.set_postfix(loss=f"{result.loss:.3f}", tok_s=f"{result.tokens_per_s:.0f}")
+        if stopped := checkpointer.save(step, stop=result.stop):  # saves when due; after a stop signal: stop here
+            break
     progress.close()
 
-    # ------------------------------------------------------------------------------ save, answer, summary
-    final_checkpoint = checkpointer.finish()
-    # Rank 0 streams the checkpoint's shards into safetensors (no full gather anywhere); the others wait for it
-    # outside any collective, so a long export is not cut off by --collective_timeout_s.
-    distributed.run_on_main_process(accelerator,
-                                    lambda: checkpoint.export(final_checkpoint, f"{cfg.output_dir}/final"))
-    answer = generate.greedy_answer(model, tokenizer, cfg.prompt, cfg.max_new_tokens, device)  # every rank: sharded
-    eval_loss = last.get("eval_loss")
-    summary = {
-        "engine": engine.name, "world_size": world, "mixed_precision": accelerator.mixed_precision,
-        "steps": cfg.max_steps, "final_loss": last.get("loss"), "eval_loss": eval_loss,
-        "perplexity": math.exp(eval_loss) if eval_loss is not None else None, **meter.summary(),
-        "num_params": num_params, "global_batch_rows": global_batch, "seq_len": cfg.seq_len, "data": data_info,
-        "optimizer_param_groups": param_groups, "prompt": cfg.prompt, "answer": answer, "group": cfg.group or None,
-        "checkpoint": str(final_checkpoint), "checkpoint_bytes": checkpoint.checkpoint_bytes(final_checkpoint),
-    }
-    tracker.write_summary(summary)
-    accelerator.print(f"\n{cfg.prompt!r} -> {answer!r}")
-    accelerator.print(tracking.summary_table(summary))
-    distributed.close_and_exit(accelerator)  # closes the trackers (flushes W&B) and the process group; exits
+    # ------------------------------------------------------------------------------ export, answer, summary
+    if not stopped:
+        final_checkpoint = checkpointer.export(f"{cfg.output_dir}/final")  # a Hugging Face folder, from the shards
+        answer = greedy_answer(model, tokenizer, cfg.prompt, cfg.max_new_tokens, accelerator.device)  # every rank
+        summary = {
+            "engine": engine.name, "world_size": world, "mixed_precision": accelerator.mixed_precision,
+            "steps": cfg.max_steps,
+            "final_loss": last.loss if last else None, "eval_loss": eval_loss,
+            "perplexity": math.exp(eval_loss) if eval_loss is not None else None, **meter.summary(),
+            "num_params": num_params, "global_batch_rows": train_data.global_batch_rows, "seq_len": cfg.seq_len,
+            "data": train_data.info, "optimizer_param_groups": param_groups, "prompt": cfg.prompt, "answer": answer,
+            "group": cfg.group or None, "checkpoint": str(final_checkpoint),
+            "checkpoint_bytes": checkpoint_bytes(final_checkpoint),
+        }
+        tracker.write_summary(summary)
+        accelerator.print(f"\n{cfg.prompt!r} -> {answer!r}")
+        accelerator.print(tracking.summary_table(summary))
+    close_and_exit(accelerator)  # closes the trackers (flushes W&B) and the process group; exits with status 0
 
 
 if __name__ == "__main__":

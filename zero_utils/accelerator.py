@@ -24,6 +24,7 @@ import os
 
 import torch
 
+from zero_utils.engine import Engine
 from zero_utils.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -87,7 +88,9 @@ def build_accelerator(*, per_device_batch_size: int, gradient_accumulation_steps
         log_with, project_dir: passed to `Accelerator` for trackers.
         timeout_s: collective timeout: a rank waiting this long for a dead peer raises instead of hanging.
 
-    Returns the `Accelerator`. Raises `RuntimeError` if the result is not the engine the launch named.
+    Returns the `Accelerator` and the `Engine` it runs (`Engine.of`: what the YAML decided). Raises `RuntimeError`
+    if the result is not the engine the launch named. A launch that names no ZeRO engine (plain DDP, or one
+    process) says in one line which `--config_file` gives ZeRO-3.
     """
     from accelerate import Accelerator, DistributedType, PartialState
     from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
@@ -132,7 +135,28 @@ def build_accelerator(*, per_device_batch_size: int, gradient_accumulation_steps
     if accelerator.distributed_type == DistributedType.FSDP and on_cpu:
         _adapt_fsdp_offload_for_cpu(accelerator)
     check_launch(accelerator)
-    return accelerator
+    engine = Engine.of(accelerator)
+    if engine.is_data_parallel_only:
+        accelerator.print(f"no ZeRO engine named by the launch: running {engine}. For ZeRO-3 add --config_file "
+                          "accelerate_configs/fsdp2.yaml (or zero3.yaml for DeepSpeed) to accelerate launch.")
+    return accelerator, engine
+
+
+def close_and_exit(accelerator) -> None:
+    """End the run on every rank: close the trackers (W&B flushes) and the process group, then exit the process
+    at once with status 0 (`os._exit`: nothing after this call runs).
+
+    Exiting without Python's interpreter finalization is deliberate: with gloo, a rank whose peers have already
+    torn down their connections can abort during finalization ("terminate called without an active exception";
+    pytorch/pytorch#179291), turning a finished run into a failed job. Everything is written and closed here.
+    """
+    import sys
+
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 STALE_LOCK_AGE_S = 300  # DeepSpeed's CPU ops build here in 30-45 s each (.ci/run); a lock this old is abandoned

@@ -39,6 +39,7 @@ import re
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -139,22 +140,34 @@ RUN_CONTROL_SETTINGS = ("resume", "overwrite", "max_steps", "output_dir", "repor
                         "max_new_tokens", "config")
 
 
+@dataclass(frozen=True)
+class Resumed:
+    """Where a resumed run continues: after `step`, in the tracker run `tracker_run_id` (None if it had none), from
+    the checkpoint at `path`."""
+
+    step: int
+    tracker_run_id: str | None
+    path: Path
+
+
 class Checkpointer:
     """The checkpoint policy of one run, in one place (torchtitan's CheckpointManager is the model): where a run
     resumes from, the metadata written with every checkpoint and checked on resume, the cadence (every
-    `save_every` steps and at the end), background saves and their completion, keep-last pruning, and the save
-    on SIGTERM/SIGINT/SIGUSR1 followed by a clean exit. The loop makes one call per step, `step(...)`:
+    `save_every` steps and the last step), background saves and their completion, keep-last pruning, and the save
+    after a stop signal (SIGTERM/SIGINT/SIGUSR1). Three verbs, and the export of what was trained:
 
         checkpointer = Checkpointer(accelerator, engine, output_dir, resume=..., save_every=..., settings=...)
-        checkpointer.check_resume(model.config, global_batch_rows)      # before sharding / prepare
-        start_step = checkpointer.load(model, optimizer, hf_files=(config, tokenizer))   # after prepare
-        for step in ...:
+        checkpointer.check(model_config, global_batch_rows)       # before the model is loaded: refuses a mismatch
+        start_step = checkpointer.load(model, optimizer, hf_files=(config, tokenizer), tracker_run_id=...)
+        for step in range(start_step + 1, max_steps + 1):
             ...
-            checkpointer.step(step, stop=values["stop"] > 0)            # saves when due; on a stop: saves, exits
-        final = checkpointer.finish()                                   # the final save; its path
+            if checkpointer.save(step, stop=result.stop):      # saves when due; True: a stop signal, saved, stop now
+                break
+        checkpointer.export(f"{output_dir}/final")              # the newest checkpoint as a Hugging Face folder
 
-    Construct it on every rank (reads only); every other method must be called by every rank at the same point.
-    Background saves (`async_save`) need DCP storage (DDP, FSDP2); under DeepSpeed saves are synchronous.
+    `resumed` says where a resumed run continues (for the tracker), None for a fresh run. Construct it on every
+    rank (reads only); every other method must be called by every rank at the same point. Background saves
+    (`async_save`) need DCP storage (DDP, FSDP2); under DeepSpeed saves are synchronous.
     """
 
     def __init__(self, accelerator, engine: Engine, output_dir: str, *, resume: str, overwrite: bool,
@@ -165,32 +178,20 @@ class Checkpointer:
         self.settings = settings
         self.resume_from = resolve_resume(output_dir, resume, overwrite)
         self.resume_meta = read_metadata(self.resume_from) if self.resume_from else None
-        self.tracker_run_id: str | None = None  # set once the tracker exists; stored with every checkpoint
+        self.resumed = (Resumed(self.resume_meta["step"], self.resume_meta.get("tracker_run_id"), self.resume_from)
+                        if self.resume_meta else None)
+        self._tracker_run_id: str | None = None  # stored with every checkpoint: a resumed run continues it
         self._model = self._optimizer = None
         self._hf_files, self._global_batch_rows, self._config_hash = (), None, None
         self._pending: PendingSave | None = None
-        self._start_step = 0
-        stop_signals.catch_stop_signals()  # a stop signal now means: finish the step, save, exit
+        self._start_step, self._saved = 0, False
+        stop_signals.catch_stop_signals()  # a stop signal now means: finish the step, save, stop
 
-    @property
-    def resumed_step(self) -> int | None:
-        """The step the run resumes after, or None for a fresh run."""
-        return self.resume_meta["step"] if self.resume_meta else None
-
-    @property
-    def resumed_tracker_run_id(self) -> str | None:
-        return (self.resume_meta or {}).get("tracker_run_id")
-
-    def stop_requested_here(self) -> float:
-        """1.0 if this process received a stop signal, else 0.0: reduce it (max) over ranks with the step's other
-        values, and pass the result to `step(stop=...)`, so that every rank stops at the same step."""
-        return 1.0 if stop_signals.received() else 0.0
-
-    def check_resume(self, model_config, global_batch_rows: int) -> None:
+    def check(self, model_config, global_batch_rows: int) -> None:
         """Refuse an incompatible checkpoint before any expensive work (`UserError`), print what a compatible one
         changes (global batch, settings), and [DeepSpeed] convert a checkpoint from another world size to a
-        universal one. Call it before sharding and `accelerator.prepare`, also on a fresh run (it records the
-        model's config hash and the global batch for the metadata)."""
+        universal one. Call it before the model is loaded, also on a fresh run (it records the model's config hash
+        and the global batch for the metadata)."""
         self._config_hash, self._global_batch_rows = model_config_hash(model_config), global_batch_rows
         if not self.resume_meta:
             return
@@ -202,50 +203,59 @@ class Checkpointer:
         if self.engine.is_deepspeed:
             prepare_deepspeed_resume(self.accelerator, self.resume_from, self.resume_meta)
 
-    def load(self, model, optimizer, *, hf_files=()) -> int:
-        """Remember what to save (`hf_files`: objects with `save_pretrained`, written to hf/), restore the
-        checkpoint being resumed if there is one, and return the step training continues after (0 if fresh)."""
+    def load(self, model, optimizer, *, hf_files=(), tracker_run_id: str | None = None) -> int:
+        """Remember what to save (`hf_files`: objects with `save_pretrained`, written to hf/; the tracker's run id,
+        written to the metadata), restore the checkpoint being resumed if there is one, and return the step
+        training continues after (0 if fresh). Call it after `accelerator.prepare`."""
         self._model, self._optimizer, self._hf_files = model, optimizer, hf_files
+        self._tracker_run_id = tracker_run_id
         if self.resume_from:
             self._start_step = load(self.accelerator, model, optimizer, self.resume_from)["step"]
         return self._start_step
+
+    def save(self, step: int, *, stop: bool) -> bool:
+        """After optimizer step `step`: save if it is due (every `save_every` steps, and the last step). With `stop`
+        (a stop signal reached any rank; every rank must pass the same value) save now, wait for the save to be
+        complete, print how to continue, and return True: the loop should end, and the run with it."""
+        if stop or step == self.max_steps or (self.save_every and step % self.save_every == 0):
+            self._complete_pending(step)
+            self._saved = True
+            self._pending = save(self.accelerator, self._model, self._optimizer, self.output_dir, step,
+                                 meta=self._metadata(step), keep_last=self.keep_last, hf_files=self._hf_files,
+                                 use_async=self.use_async and not stop and step != self.max_steps)
+        if stop or step == self.max_steps:
+            self._complete_pending(step)
+        if stop:
+            name = stop_signals.received() or "a stop signal (on another rank)"
+            self.accelerator.print(f"\n{name} received: stopped after step {step} with a complete checkpoint in "
+                                   f"{self.output_dir}/checkpoints/step_{step}; continue with --resume auto.")
+        return stop
+
+    def latest(self) -> Path | None:
+        """The checkpoint that holds the trained model: the newest this run saved, or the one it resumed from
+        (a run resumed at its last step saves nothing)."""
+        return self.newest() if self._saved else self.resume_from
+
+    def newest(self) -> Path | None:
+        """The newest complete checkpoint of this run's output folder (None before the first)."""
+        return newest_complete(self.output_dir)
+
+    def export(self, out_dir: str | Path) -> Path:
+        """Write the newest complete checkpoint (the trained model) to `out_dir` as a Hugging Face folder: rank 0
+        streams its shards into safetensors (no full gather anywhere) while the others wait outside any collective,
+        so a long export is not cut off by the collective timeout. Returns that checkpoint. Every rank must call
+        it."""
+        self._complete_pending(self.max_steps)
+        final = self.latest()
+        distributed.run_on_main_process(self.accelerator, lambda: export(final, out_dir))
+        return final
 
     def _metadata(self, step: int) -> dict:
         return {"engine": self.engine.name, "storage": self.engine.checkpoint_storage,
                 "world_size": self.accelerator.num_processes, "global_batch_rows": self._global_batch_rows,
                 "examples_seen": step * self._global_batch_rows, "seed": self.seed,
-                "model_config_hash": self._config_hash, "tracker_run_id": self.tracker_run_id,
+                "model_config_hash": self._config_hash, "tracker_run_id": self._tracker_run_id,
                 "versions": software_versions(), "settings": self.settings}
-
-    def _save(self, step: int) -> None:
-        """Save `step`, after completing a background save still in flight (one at a time)."""
-        self._complete_pending(step)
-        self._pending = save(self.accelerator, self._model, self._optimizer, self.output_dir, step,
-                             meta=self._metadata(step), keep_last=self.keep_last, hf_files=self._hf_files,
-                             use_async=self.use_async)
-
-    def step(self, step: int, *, stop: bool) -> None:
-        """After optimizer step `step`: save if `save_every` says so (the final step is saved by `finish`). With
-        `stop` (a stop signal reached any rank; every rank must pass the same value) save now, wait for the save,
-        and end the process on every rank with a line saying how to continue."""
-        if stop or (self.save_every and step % self.save_every == 0 and step != self.max_steps):
-            self._save(step)
-        if stop:
-            self._complete_pending(step)
-            name = stop_signals.received() or "a stop signal (on another rank)"
-            self.accelerator.print(f"\n{name} received: stopped after step {step} with a complete checkpoint in "
-                                   f"{self.output_dir}/checkpoints/step_{step}; continue with --resume auto.")
-            distributed.close_and_exit(self.accelerator)
-
-    def finish(self) -> Path | None:
-        """Complete any background save, save the final step (unless the run resumed at it), and return the
-        newest complete checkpoint: the one that holds the trained model."""
-        self._complete_pending(self.max_steps)
-        if self._start_step < self.max_steps:
-            self._save(self.max_steps)
-            self._complete_pending(self.max_steps)
-            return newest_complete(self.output_dir)
-        return self.resume_from
 
     def _complete_pending(self, current_step: int) -> None:
         if self._pending:  # `save` returns None when the checkpoint is already complete (synchronous)

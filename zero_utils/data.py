@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from zero_utils import distributed
+from zero_utils import attention, distributed
 from zero_utils.errors import UserError
 
 BUNDLED_DATASET = str(Path(__file__).resolve().parent / "assets" / "sft_tiny.jsonl")
@@ -391,3 +392,115 @@ def eval_micro_batches(rows, rank: int, world_size: int, per_device_batch_size: 
             batch["labels"] = torch.full_like(batch["labels"], IGNORE_INDEX)
         yield batch
 
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch of packed rows on this rank's device: `inputs` are the model's keyword arguments
+    (input_ids and position_ids [B, S], use_cache=False, and the attention implementation's packing arguments),
+    `labels` [B, S] the shifted targets (`IGNORE_INDEX` where there is no loss), `num_loss_tokens` their count."""
+
+    inputs: dict
+    labels: torch.Tensor
+
+    @property
+    def num_loss_tokens(self) -> torch.Tensor:
+        return (self.labels != IGNORE_INDEX).sum()
+
+
+@dataclass
+class StepBatches:
+    """What one optimizer step trains on this rank: its micro-batches (one per accumulation step) and the answer
+    tokens of the whole global batch, all ranks together (`loss_tokens`: the loss is their mean)."""
+
+    micro_batches: list[MicroBatch]
+    loss_tokens: int
+
+
+class TrainingData:
+    """A run's data, prepared once: packed train rows (and held-out rows), sliced per optimizer step into this rank's
+    micro-batches. It owns the batch arithmetic (per-device batch x accumulation x processes = global batch), the
+    data order (`global_batch_indices`: any world size with the same global batch continues the same stream), the
+    attention keyword arguments that keep packed examples apart, and the ignore index of the labels.
+
+        train_data = TrainingData.prepare(accelerator, tokenizer, model_config, dataset=..., seq_len=..., ...)
+        for step in ...:
+            batches = train_data.step_batches(step)        # this rank's micro-batches + the global loss tokens
+        for micro in train_data.eval_batches(): ...
+
+    `prepare` checks what a user can get wrong before any work (an attention implementation that would mix packed
+    examples, a --seq_len beyond the model, too few rows for one global batch). Every rank holds every row, so each
+    knows a global batch's token count without a collective. Engines: all.
+    """
+
+    ignore_index = IGNORE_INDEX
+
+    def __init__(self, train_rows, eval_rows, info: dict, *, seq_len: int, per_device_batch_size: int,
+                 gradient_accumulation_steps: int, seed: int, attention_path: str, rank: int, world_size: int,
+                 device):
+        self.train_rows, self.eval_rows, self.info = train_rows, eval_rows, info
+        self.seq_len, self.per_device_batch_size, self.seed = seq_len, per_device_batch_size, seed
+        self.gradient_accumulation_steps = gradient_accumulation_steps
+        self.attention_path, self.rank, self.world_size, self.device = attention_path, rank, world_size, device
+        self.global_batch_rows = per_device_batch_size * gradient_accumulation_steps * world_size
+        self.tokens_per_step = self.global_batch_rows * seq_len
+        check_enough_rows(len(train_rows), self.global_batch_rows)
+        self._loss_tokens_per_row = loss_tokens_per_row(train_rows)  # each step's token count, with no collective
+
+    @classmethod
+    def prepare(cls, accelerator, tokenizer, model_config, *, dataset: str, columns: str, seq_len: int,
+                eval_fraction: float, seed: int, per_device_batch_size: int, gradient_accumulation_steps: int,
+                attn_implementation: str) -> "TrainingData":
+        """Check, load, tokenize and pack `dataset` once (`build_sft_datasets`: the main process first, through the
+        `datasets` cache) for a model of `model_config`. `columns` is the --columns text (`parse_column_map`)."""
+        # Packed rows hold several examples: sdpa/eager keep them apart with per-row block masks, flash-attention
+        # with the examples' offsets passed to its varlen kernel; any other implementation is refused here.
+        path = attention.packing_path(attn_implementation)
+        check_seq_len(seq_len, model_config.max_position_embeddings)  # before tokenizing anything
+        train_rows, eval_rows, info = build_sft_datasets(
+            accelerator, tokenizer, dataset, seq_len, eval_fraction, seed, parse_column_map(columns),
+            vocab_size=model_config.vocab_size)  # rows are padded with an id inside the embedding
+        return cls(train_rows, eval_rows, info, seq_len=seq_len, per_device_batch_size=per_device_batch_size,
+                   gradient_accumulation_steps=gradient_accumulation_steps, seed=seed, attention_path=path,
+                   rank=accelerator.process_index, world_size=accelerator.num_processes, device=accelerator.device)
+
+    def global_batch(self, step: int) -> list[int]:
+        """Row indices of optimizer step `step` (1-based), all ranks' micro-batches together."""
+        return global_batch_indices(len(self.train_rows), self.global_batch_rows, step, self.seed)
+
+    def rows_of_step(self, indices: list[int]) -> list[list[int]]:
+        """This rank's share of a global batch's rows: one list of row indices per micro-step (`rank_rows`)."""
+        return rank_rows(indices, self.rank, self.world_size, self.per_device_batch_size,
+                         self.gradient_accumulation_steps)
+
+    def step_batches(self, step: int) -> StepBatches:
+        """This rank's micro-batches of optimizer step `step` and the global batch's answer-token count."""
+        indices = self.global_batch(step)
+        micro = [self._micro_batch(self.train_rows[rows]) for rows in self.rows_of_step(indices)]
+        return StepBatches(micro, global_batch_loss_tokens(self._loss_tokens_per_row, indices))
+
+    @property
+    def has_eval(self) -> bool:
+        """Whether there are held-out rows to evaluate on."""
+        return self.eval_rows is not None
+
+    def eval_batches(self):
+        """This rank's held-out micro-batches (none without held-out data): every rank yields as many, so a sharded
+        forward never waits on a rank that has finished (`eval_micro_batches`)."""
+        if self.eval_rows is None:
+            return
+        for batch in eval_micro_batches(self.eval_rows, self.rank, self.world_size, self.per_device_batch_size,
+                                        self.device):
+            yield self._micro_batch(batch, on_device=True)
+
+    def describe(self) -> str:
+        """The batch arithmetic and the packed data, in two lines for the start of a run."""
+        return (f"micro-batch {self.per_device_batch_size} x accumulation {self.gradient_accumulation_steps} x "
+                f"{self.world_size} = global batch {self.global_batch_rows} rows = {self.tokens_per_step} tokens\n"
+                + describe(self.info, self.seq_len))
+
+    def _micro_batch(self, rows, on_device: bool = False) -> MicroBatch:
+        batch = rows if on_device else {k: rows[k].to(self.device) for k in ("input_ids", "labels", "position_ids")}
+        inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False,
+                  **attention.packed_kwargs(batch["position_ids"], self.attention_path)}
+        return MicroBatch(inputs, batch["labels"])

@@ -1,5 +1,5 @@
-"""Collective helpers every recipe needs: one reduction of a step's numbers, work on the main process alone
-(outside the collective timeout), and the end of a run.
+"""Collective helpers every recipe needs: one reduction of a step's numbers, every rank's figures, work on the main
+process alone (outside the collective timeout), one parameter gathered whole.
 
 Every function here must be called by every rank at the same point, unless its docstring says otherwise.
 This module is a bottom layer: it imports only zero_utils.errors.
@@ -132,20 +132,3 @@ def gathered(param: torch.Tensor) -> torch.Tensor:
     if isinstance(param, DTensor):  # [FSDP2] sharded parameter
         return param.full_tensor().detach().cpu()
     return param.detach().cpu()
-
-
-def close_and_exit(accelerator) -> None:
-    """End the run on every rank: close the trackers (W&B flushes) and the process group, then exit the process
-    at once with status 0 (`os._exit`: nothing after this call runs).
-
-    Exiting without Python's interpreter finalization is deliberate: with gloo, a rank whose peers have already
-    torn down their connections can abort during finalization ("terminate called without an active exception";
-    pytorch/pytorch#179291), turning a finished run into a failed job. Everything is written and closed here.
-    """
-    import sys
-
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

@@ -7,36 +7,88 @@ Engines: all.
 from __future__ import annotations
 
 import contextlib
+import math
 import resource
 import statistics
 import time
+from dataclasses import dataclass, field
 
 import torch
 
-from zero_utils import distributed
+from zero_utils import distributed, errors, stop_signals
+from zero_utils.engine import Engine, shard_group_size
+from zero_utils.memory import _numel, expected_model_state_bytes
+from zero_utils.optim import param_groups
+from zero_utils.wrapping import reshard_after_inference
+
+
+@dataclass
+class StepResult:
+    """One optimizer step as every rank saw it, from `RunMeasurements.end_step`: the global loss (mean over the
+    global batch's answer tokens), the clipped gradient norm, this step's learning rate, whether any rank received
+    a stop signal (`stop`), whether the update is skipped (`skipped`: a non-finite loss), and the measurements of
+    its log line. Units: bytes, seconds, tokens/s."""
+
+    step: int
+    loss: float
+    lr: float
+    grad_norm: float
+    stop: bool
+    skipped: bool
+    peaks: dict = field(default_factory=dict)  # max over ranks: peak_mem_bytes (+ peak_reserved_bytes on CUDA)
+    model_state_bytes: int | None = None
+    model_state_bytes_expected: int | None = None
+    step_time_s: float | None = None  # from start_step to the optimizer's update (set once it has happened)
+    tokens_per_s: float | None = None
+
+    def metrics(self) -> dict:
+        """The step's line of metrics.jsonl (and of the trackers)."""
+        return {"step": self.step, "loss": self.loss, "lr": self.lr, "grad_norm": self.grad_norm,
+                "tokens_per_s": self.tokens_per_s, **self.peaks, "model_state_bytes": self.model_state_bytes,
+                "model_state_bytes_expected": self.model_state_bytes_expected}
 
 
 class RunMeasurements:
-    """The measurements a training loop reports, in a few visible calls:
+    """What a training loop measures, and the one call that ends each step:
 
-        meter = RunMeasurements(accelerator, model, optimizer, tokens_per_step=..., expected_model_state_bytes=...)
+        meter = RunMeasurements(accelerator, engine, model, optimizer, tokens_per_step=...)   # after prepare
         for step in ...:
             meter.start_step()
             with meter.count_saved_activations(): ...forward...     # the first forward only
-            values = distributed.reduce_step_values(accelerator, sums=..., maxes=meter.peak_memory())
+            result = meter.end_step(step, lr=..., loss_sum=..., loss_tokens=..., grad_norm=...)
+            if result.skipped: continue                             # a non-finite loss: no update
             ...optimizer step...
-            metrics = meter.step_metrics(values)                   # time, tokens/s, peaks, model-state bytes
         summary = meter.summary()                                  # every rank: one collective
 
-    Create it after `accelerator.prepare`, right before the loop: memory peaks count from then on (CUDA), so they
+    `end_step` makes the step's one collective and one host sync: the loss sum, the gradient norm, the memory peaks
+    and whether a stop signal reached any rank travel together (`distributed.reduce_step_values`). A non-finite loss
+    marks the step skipped; past `max_bad_steps` such steps it raises `errors.non_finite_loss`, naming
+    `newest_checkpoint()` (the last good one) so that nothing is saved over it.
+
+    The expected model-state bytes are the formula's (`zero_utils.memory.expected_model_state_bytes`) for this engine,
+    world size, precision, the trainable parameters in the optimizer's groups (`optim.param_groups`, the split
+    `build_adamw` makes) and the frozen ones (LoRA's base). Memory peaks count from construction (CUDA), so they
     show training, not loading. Model-state bytes are measured once, right after the innermost optimizer's first
     step while gradients are still held: the same moment under every engine, even DeepSpeed, whose step runs inside
-    `accelerator.backward`. `step_metrics` takes their maximum over ranks the first time (one collective, once).
+    `accelerator.backward`. The step time runs from `start_step` to the innermost optimizer's update, whichever
+    call makes it.
     """
 
-    def __init__(self, accelerator, model, optimizer, *, tokens_per_step: int, expected_model_state_bytes: int):
-        self.accelerator, self.device = accelerator, accelerator.device
-        self.tokens_per_step, self.expected_model_state_bytes = tokens_per_step, expected_model_state_bytes
+    def __init__(self, accelerator, engine: Engine, model, optimizer, *, tokens_per_step: int,
+                 max_bad_steps: int = 0, newest_checkpoint=lambda: None):
+        self.accelerator, self.device, self.engine = accelerator, accelerator.device, engine
+        self.model, self.optimizer = model, optimizer
+        self.tokens_per_step, self.max_bad_steps, self.newest_checkpoint = tokens_per_step, max_bad_steps, \
+            newest_checkpoint
+        module = getattr(model, "module", model)
+        shapes = [[tuple(getattr(p, "ds_shape", p.shape)) for p in group]
+                  for group in param_groups(module) if group]  # the optimizer's groups
+        frozen = sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters() if not p.requires_grad)
+        self.expected_model_state_bytes = expected_model_state_bytes(
+            engine, sum(map(_numel, (s for group in shapes for s in group))), accelerator.num_processes,
+            accelerator.mixed_precision, param_groups=shapes, shard_group_size=shard_group_size(accelerator),
+            frozen_params=frozen)  # a frozen base (LoRA) is held as parameters only
+        self.bad_steps = 0
         self._local_model_states: dict[str, int] = {}
         self._model_states: dict[str, int] = {}  # max over ranks, once measured
         self._saved_activations: dict[str, int] = {}
@@ -45,33 +97,80 @@ class RunMeasurements:
         self._local_peaks: dict[str, int] = {}  # this rank's, as sent to that reduction
         self._peak_keys = tuple(peak_memory(self.device))  # which peaks this device reports
         self._t0 = time.perf_counter()
-        after_inner_step_once(
-            optimizer, lambda: self._local_model_states.update(measure_model_state_bytes(model, optimizer)))
+        self._updated_at: float | None = None
+        self._timed: StepResult | None = None
+        # Under DeepSpeed the innermost optimizer steps inside `accelerator.backward`: a hook on it is the one moment
+        # every engine shares, right after the update while gradients are still held.
+        innermost(optimizer).register_step_post_hook(self._on_update)
         reset_peak_memory(self.device)
 
     def start_step(self) -> None:
-        self._t0 = time.perf_counter()
+        self._t0, self._updated_at, self._timed = time.perf_counter(), None, None
 
     def count_saved_activations(self):
         """Context manager around a forward pass: bytes autograd saves for backward, counted the first time."""
         return count_saved_activations(self._saved_activations)
 
-    def peak_memory(self) -> dict[str, int]:
-        """This rank's memory peaks so far (see `peak_memory`), to be maxed over ranks with the step's values."""
+    def end_step(self, step: int, *, lr: float, loss_sum: torch.Tensor, loss_tokens: int, grad_norm) -> StepResult:
+        """End optimizer step `step` on every rank, before the optimizer's update: one collective (this rank's
+        token-loss sum, its gradient norm as the engine returns it, its memory peaks, its stop request) and one host
+        sync. Returns the step's `StepResult`; raises the non-finite-loss stop past `max_bad_steps`."""
         self._local_peaks = peak_memory(self.device)
-        return self._local_peaks
+        values = distributed.reduce_step_values(
+            self.accelerator, sums={"loss_sum": loss_sum},
+            maxes={"grad_norm": distributed.local_scalar(grad_norm), "stop": 1.0 if stop_signals.received() else 0.0,
+                   **self._local_peaks})
+        loss = values["loss_sum"] / loss_tokens
+        result = StepResult(step, loss, lr, values["grad_norm"], stop=values["stop"] > 0,
+                            skipped=not math.isfinite(loss))
+        if result.skipped:
+            # the update is skipped (DeepSpeed has already applied it inside backward) and nothing is saved:
+            # the last good checkpoint stays the newest
+            self.bad_steps += 1
+            if self.bad_steps > self.max_bad_steps:
+                raise errors.non_finite_loss(loss, step, self.bad_steps, self.max_bad_steps,
+                                             newest_checkpoint=self.newest_checkpoint())
+            self.accelerator.print(f"warning: non-finite loss at step {step}, update skipped ({self.bad_steps} so far)")
+            return result
+        self._peaks = {k: int(values[k]) for k in self._peak_keys}
+        result.peaks = dict(self._peaks)
+        result.model_state_bytes = self._model_states.get("total")
+        result.model_state_bytes_expected = self.expected_model_state_bytes
+        self._timed = result
+        if self._updated_at is not None:  # DeepSpeed: the update ran inside backward, before this call
+            self._time(result, self._updated_at)
+        return result
 
-    def step_metrics(self, reduced: dict[str, float]) -> dict:
-        """The step's measurements for its log line: tokens_per_s, the memory peaks (max over ranks, taken from
-        `reduced`, the step's `reduce_step_values`), model_state_bytes and model_state_bytes_expected."""
-        step_time_s = time.perf_counter() - self._t0
-        self._step_times.append(step_time_s)
-        if self._local_model_states and not self._model_states:
+    def _on_update(self, *_) -> None:
+        self._updated_at = time.perf_counter()
+        if not self._local_model_states:  # the first update: measure the model states once (not timed)
+            self._local_model_states.update(measure_model_state_bytes(self.model, self.optimizer))
+            # every rank steps its optimizer at this point, so the maximum over ranks can be taken here (once)
             self._model_states = distributed.max_over_ranks(self.accelerator, self._local_model_states)
-        self._peaks = {k: int(reduced[k]) for k in self._peak_keys}
-        return {"tokens_per_s": self.tokens_per_step / step_time_s, **self._peaks,
-                "model_state_bytes": self._model_states.get("total"),
-                "model_state_bytes_expected": self.expected_model_state_bytes}
+            if self._timed is not None:  # DDP, FSDP2: the update follows end_step
+                self._timed.model_state_bytes = self._model_states["total"]
+        if self._timed is not None and self._timed.step_time_s is None:  # DDP, FSDP2: the update follows end_step
+            self._time(self._timed, self._updated_at)
+
+    def _time(self, result: StepResult, updated_at: float) -> None:
+        result.step_time_s = updated_at - self._t0
+        result.tokens_per_s = self.tokens_per_step / result.step_time_s
+        self._step_times.append(result.step_time_s)
+
+    def eval_loss(self, token_loss_sum, micro_batches) -> float:
+        """The mean loss over the answer tokens of held-out `micro_batches` (`data.MicroBatch`, this rank's share),
+        all ranks together: `token_loss_sum(micro)` is the summed token loss of one micro-batch, as in training.
+        Runs in eval mode without gradients, one all-reduce at the end; [FSDP2] what the forwards left gathered is
+        freed after. Every rank must call it with as many micro-batches (`TrainingData.eval_batches` does)."""
+        self.model.eval()
+        totals = torch.zeros(2, device=self.device)
+        with torch.no_grad():
+            for micro in micro_batches:
+                totals += torch.stack([token_loss_sum(micro).float(), micro.num_loss_tokens.float()])
+        reshard_after_inference(self.model)  # [FSDP2] free what eval left gathered
+        self.model.train()
+        totals = self.accelerator.reduce(totals, "sum")
+        return (totals[0] / totals[1]).item()
 
     def summary(self) -> dict:
         """Medians of step time and tokens/s, the last peaks (max over ranks), model-state bytes measured (max over
@@ -228,20 +327,8 @@ def count_saved_activations(result: dict):
     result["saved"] = total
 
 
-def after_inner_step_once(optimizer, callback) -> None:
-    """Call `callback()` once, right after the first step of the innermost torch optimizer (the one that updates
-    the weights), while gradients are still held.
-
-    Under DeepSpeed that step runs inside `accelerator.backward`, so a hook is the only way to see this moment;
-    the same hook gives every engine the same moment of measurement. Engines: all.
-    """
-    inner = optimizer
-    while hasattr(inner, "optimizer"):  # accelerate wrapper -> DeepSpeed ZeRO optimizer -> torch optimizer
-        inner = inner.optimizer
-    handle = None
-
-    def hook(*_):
-        handle.remove()
-        callback()
-
-    handle = inner.register_step_post_hook(hook)
+def innermost(optimizer):
+    """The torch optimizer that updates the weights, under accelerate's and DeepSpeed's wrappers."""
+    while hasattr(optimizer, "optimizer"):  # accelerate wrapper -> DeepSpeed ZeRO optimizer -> torch optimizer
+        optimizer = optimizer.optimizer
+    return optimizer

@@ -258,13 +258,6 @@ def sharding_remainder_bytes(engine: str, param_groups: list[list[tuple[int, ...
     return 0
 
 
-def param_group_shapes(optimizer) -> list[list[tuple[int, ...]]]:
-    """The global shapes of an optimizer's parameters, one list per param group, for `expected_model_state_bytes`.
-    Call it before `accelerator.prepare` (DeepSpeed regroups afterwards). Handles FSDP2 DTensors (global shape)
-    and DeepSpeed ZeRO-3 partitions (`ds_shape`)."""
-    return [[tuple(getattr(p, "ds_shape", p.shape)) for p in group["params"]] for group in optimizer.param_groups]
-
-
 def _numel(shape) -> int:
     count = 1
     for dim in shape:

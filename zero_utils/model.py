@@ -2,7 +2,8 @@
 
 A local folder that holds a config but no weights (like the bundled `assets/tiny-llama`) builds the model from
 its config with random initialisation (seeded by the caller); folders with weights load them. Weights load only
-from safetensors: a pickled `.bin` checkpoint from elsewhere could run code on load.
+from safetensors: a pickled `.bin` checkpoint from elsewhere could run code on load. Also: counting parameters,
+and the model's greedy answer to a prompt once trained (`greedy_answer`, on every rank of a sharded model).
 """
 
 from __future__ import annotations
@@ -10,7 +11,11 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
+import torch
+
+from zero_utils.data import render_prompt
 from zero_utils.errors import UserError
+from zero_utils.wrapping import reshard_after_inference
 
 BUNDLED_MODEL = str(Path(__file__).resolve().parent / "assets" / "tiny-llama")
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
@@ -68,7 +73,6 @@ def load_causal_lm(name_or_path: str, *, accelerator=None, attn_implementation: 
     - DeepSpeed ZeRO-3 with `zero3_init_flag: true`: transformers builds the model partitioned under
       `deepspeed.zero.Init`, rank 0 reads the weights and each parameter is scattered as it is loaded.
     """
-    import torch
     from transformers import AutoModelForCausalLM
 
     config = load_config(name_or_path, trust_remote_code)
@@ -113,7 +117,6 @@ def restore_fp32_master_weights(model, name_or_path: str) -> int:
     its fragment (`safe_set_full_fp32_param`). Tensors stored in 16 bits are skipped: their master is exact. Returns
     how many parameters were set (0 for a config-only folder). Engines: DeepSpeed ZeRO-1/2/3.
     """
-    import torch
     import torch.distributed as dist
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_local_fp32_param
     from safetensors import safe_open
@@ -208,7 +211,6 @@ def quantization_config(qlora: bool):
     them. Not tested in CI (no GPU there)."""
     if not qlora:
         return None
-    import torch
 
     if not torch.cuda.is_available():
         raise UserError("--qlora needs a CUDA GPU (bitsandbytes 4-bit kernels); drop --qlora to train LoRA on this "
@@ -240,3 +242,42 @@ def zero3_init_disabled(accelerator):
         yield
     finally:
         hf_deepspeed.set_hf_deepspeed_config(registered)
+
+
+# ---------------------------------------------------------------------------------------------- generation
+# Inference on a model that may be sharded: every rank runs the same forward passes, so FSDP2 and ZeRO-3 can gather
+# each layer's parameters from all ranks.
+
+def _prompt_ids(tokenizer, prompt: str, device) -> torch.Tensor:
+    text = render_prompt(tokenizer, [{"role": "user", "content": prompt}])
+    return tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"].to(device)
+
+
+@torch.no_grad()
+def greedy_answer(model, tokenizer, prompt: str, max_new_tokens: int, device) -> str:
+    """The model's greedy answer to one user `prompt`, formatted as in training. Runs exactly `max_new_tokens`
+    forward passes on every rank (no early stop), so ranks of a sharded model never wait on each other; the
+    answer is cut at the first EOS. Every rank must call it."""
+    ids = _prompt_ids(tokenizer, prompt, device)
+    prompt_len = ids.shape[1]
+    model.eval()
+    for _ in range(max_new_tokens):
+        logits = model(input_ids=ids, use_cache=False).logits
+        ids = torch.cat([ids, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    reshard_after_inference(model)  # [FSDP2] free what generation left gathered
+    model.train()
+    new = ids[0, prompt_len:].tolist()
+    if tokenizer.eos_token_id in new:
+        new = new[: new.index(tokenizer.eos_token_id)]
+    return tokenizer.decode(new, skip_special_tokens=True).strip()
+
+
+@torch.no_grad()
+def last_position_logits(model, tokenizer, prompt: str, device) -> torch.Tensor:
+    """fp32 logits [vocab] at the last position of `prompt` (exports are checked against them). Every rank must
+    call it."""
+    model.eval()
+    logits = model(input_ids=_prompt_ids(tokenizer, prompt, device), use_cache=False).logits[0, -1].float().cpu()
+    reshard_after_inference(model)  # [FSDP2]
+    model.train()
+    return logits

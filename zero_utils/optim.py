@@ -21,10 +21,17 @@ def build_adamw(model: torch.nn.Module, lr: float, weight_decay: float, betas=(0
     `p.dim()` would put every matrix in the no-decay group. Build it after FSDP2 sharding so it holds the sharded
     (DTensor, global shape) parameters. Engines: all.
     """
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if is_matrix(p)], "weight_decay": weight_decay},
-              {"params": [p for p in params if not is_matrix(p)], "weight_decay": 0.0}]
+    decay, no_decay = param_groups(model)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps)
+
+
+def param_groups(model: torch.nn.Module) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
+    """The trainable parameters as `build_adamw` groups them, in model order: (matrices, which decay; the rest,
+    which do not). Also readable after `accelerator.prepare` (from the unwrapped module), where DeepSpeed has
+    regrouped the optimizer's own param groups."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [p for p in params if is_matrix(p)], [p for p in params if not is_matrix(p)]
 
 
 def is_matrix(param: torch.Tensor) -> bool:

@@ -37,21 +37,22 @@ class RunTracker:
     """Writes a run's per-step metrics and summary on the main process, and forwards them to accelerate trackers.
 
     Files under `output_dir`: `metrics.jsonl` and `summary.json` (written at the end). A fresh run starts
-    metrics.jsonl anew; a run resumed at `resume_step` keeps the lines up to that step (an interrupted run may
-    have logged steps after its last checkpoint) and appends. The software versions are added to the tracker's
+    metrics.jsonl anew; a run resumed at step k keeps the lines up to that step (an interrupted run may
+    have logged steps after its last checkpoint) and appends (`resumed`: `checkpoint.Checkpointer.resumed`, which
+    also names the W&B run to continue). The software versions are added to the tracker's
     config (`version_<name>`) and to the summary (`versions`), with the W&B run id (`tracker_run_id`). With W&B
     and no credentials the run is written offline under `output_dir/wandb` and one line says how to sync it.
     """
 
     def __init__(self, accelerator, output_dir: str, report_to: str, project: str, run_name: str, config: dict,
-                 group: str | None = None, resume_step: int | None = None, resume_run_id: str | None = None):
+                 group: str | None = None, resumed=None):
         self.accelerator = accelerator
         self.output_dir = Path(output_dir)
         self.is_main = accelerator.is_main_process
         self.trackers = trackers_for(report_to) or []
         if self.is_main:
             self.output_dir.mkdir(parents=True, exist_ok=True)
-            _restart_metrics(self.output_dir / "metrics.jsonl", resume_step)
+            _restart_metrics(self.output_dir / "metrics.jsonl", resumed.step if resumed else None)
         if not self.trackers:
             return
         init_kwargs = {}
@@ -59,8 +60,8 @@ class RunTracker:
             if not wandb_has_credentials() and not os.environ.get("WANDB_MODE"):
                 os.environ["WANDB_MODE"] = "offline"
             init_kwargs["wandb"] = {"dir": str(self.output_dir), "name": run_name, "group": group}
-            if resume_run_id:  # the resumed run continues the same W&B run: one curve, not two
-                init_kwargs["wandb"].update(id=resume_run_id, resume="allow")
+            if resumed and resumed.tracker_run_id:  # the resumed run continues the same W&B run: one curve, not two
+                init_kwargs["wandb"].update(id=resumed.tracker_run_id, resume="allow")
         config = {**config, **{f"version_{k}": v for k, v in software_versions().items()}}
         accelerator.init_trackers(project, config=_loggable(config), init_kwargs=init_kwargs)
         if self.is_main and "wandb" in self.trackers and os.environ.get("WANDB_MODE") == "offline":
@@ -76,8 +77,10 @@ class RunTracker:
             return self.accelerator.get_tracker("wandb", unwrap=True).id
         return None
 
-    def log_step(self, metrics: dict) -> None:
-        """Append one optimizer step's metrics (must contain 'step') to metrics.jsonl and send them to trackers."""
+    def log_step(self, result, eval_loss: float | None = None) -> None:
+        """Append one optimizer step's metrics (`measure.StepResult.metrics`, and `eval_loss` when evaluated) to
+        metrics.jsonl and send them to the trackers."""
+        metrics = {**result.metrics(), **({"eval_loss": eval_loss} if eval_loss is not None else {})}
         if self.trackers:
             values = {k: v for k, v in metrics.items() if k != "step" and v is not None}
             self.accelerator.log(values, step=metrics["step"])

@@ -45,29 +45,37 @@ def _slow_first_call(fn, seconds: float):
     return wrapper
 
 
-def _capture(name: str, fn, keep=lambda result, *args, **kwargs: result):
-    def wrapper(*args, **kwargs):
-        result = fn(*args, **kwargs)
-        _seen.setdefault(name, keep(result, *args, **kwargs))
-        return result
-
-    return wrapper
-
-
 def _attach_probes() -> None:
-    import accelerate
+    """Attach through the components' declared seams: the objects the recipe builds keep what they were given
+    (TrainingData: its rows and `info`; RunMeasurements: the accelerator, the prepared model and optimizer), and
+    `TrainingData.rows_of_step` is the one place a step's rows are chosen. Subclasses record them; no function's
+    positional arguments are unpacked here."""
+    from zero_utils import checkpoint, data, measure, model, tracking
 
-    from zero_utils import checkpoint, data, model, tracking
+    load_tokenizer = model.load_tokenizer
 
-    model.load_tokenizer = _capture("tokenizer", model.load_tokenizer)
-    data.build_sft_datasets = _capture("data", data.build_sft_datasets)
-    accelerate.Accelerator.prepare = _capture("prepared", accelerate.Accelerator.prepare,
-                                              lambda result, accelerator, *args: (accelerator, result))
-    # The rows of the first step this rank trains: rank_micro_batches(rows, indices, rank, world, b, accum, device)
-    data.rank_micro_batches = _capture(
-        "first_step_rows", data.rank_micro_batches,
-        lambda result, rows, indices, rank, world, b, accum, device: sum(data.rank_rows(indices, rank, world, b, accum),
-                                                                         []))
+    def recorded_tokenizer(*args, **kwargs):
+        _seen["tokenizer"] = load_tokenizer(*args, **kwargs)
+        return _seen["tokenizer"]
+
+    class RecordedData(data.TrainingData):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            _seen["data"] = self
+
+        def rows_of_step(self, indices):  # the rows of the first step this rank trains
+            rows = super().rows_of_step(indices)
+            _seen.setdefault("first_step_rows", sum(rows, []))
+            return rows
+
+    class RecordedMeasurements(measure.RunMeasurements):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            _seen["meter"] = self
+
+    model.load_tokenizer = recorded_tokenizer
+    data.TrainingData = RecordedData
+    measure.RunMeasurements = RecordedMeasurements
     write_summary = tracking.RunTracker.write_summary
 
     def write_summary_with_evidence(tracker, summary):
@@ -91,18 +99,20 @@ def _evidence() -> dict:
     from accelerate.utils import gather_object
     from safetensors.torch import save_file
 
-    from zero_utils import evidence, generate
+    from zero_utils import evidence
+    from zero_utils.model import last_position_logits
 
-    accelerator, (model, optimizer) = _seen["prepared"]
+    meter = _seen["meter"]
+    accelerator, model, optimizer = meter.accelerator, meter.model, meter.optimizer
     cfg = _seen["settings"]
     found = {
         "first_step_rows_per_rank": gather_object([_seen.get("first_step_rows", [])]),
         "sharding_per_rank": gather_object([evidence.sharding_evidence(model, optimizer)]),
-        "data_cache_files_written_per_rank": gather_object([_seen["data"][2]["cache_files_written"]]),
+        "data_cache_files_written_per_rank": gather_object([_seen["data"].info["cache_files_written"]]),
         "weights_digest_per_rank": gather_object([evidence.weights_digest(model)])
         if os.environ.get("ZERO_RECIPES_HARNESS_VERIFY_REPLICAS") == "1" else None,
     }
-    logits = generate.last_position_logits(model, _seen["tokenizer"], cfg.prompt, accelerator.device)
+    logits = last_position_logits(model, _seen["tokenizer"], cfg.prompt, accelerator.device)
     if accelerator.is_main_process:
         save_file({"logits": logits}, f"{cfg.output_dir}/probe_logits.safetensors")
     return found

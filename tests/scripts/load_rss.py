@@ -43,7 +43,7 @@ parser.add_argument("--output_dir", required=True)
 parser.add_argument("--naive", action="store_true")
 args = parser.parse_args()
 
-accelerator = build_accelerator(per_device_batch_size=1, gradient_accumulation_steps=1, max_grad_norm=1.0)
+accelerator, _ = build_accelerator(per_device_batch_size=1, gradient_accumulation_steps=1, max_grad_norm=1.0)
 engine = Engine.of(accelerator)
 fsdp = engine.is_fsdp2
 if args.naive:

@@ -30,7 +30,7 @@ parser.add_argument("--no_embedding_group", action="store_true")
 parser.add_argument("--prefetch_blocks", type=int, default=1)
 args = parser.parse_args()
 
-accelerator = build_accelerator(per_device_batch_size=1, gradient_accumulation_steps=1, max_grad_norm=1.0)
+accelerator, _ = build_accelerator(per_device_batch_size=1, gradient_accumulation_steps=1, max_grad_norm=1.0)
 torch.manual_seed(0)
 model = load_causal_lm(BUNDLED_MODEL, accelerator=accelerator)
 sizes = {name: p.numel() * p.element_size() for name, p in model.named_parameters()}

@@ -1,0 +1,60 @@
+"""Parallelism applied to a model from outside it, in one visible place (torchtitan's `parallelize` is the model):
+
+    parallelize(model, accelerator, engine, activation_checkpointing=..., fsdp=FSDPWrapping(...))   # before prepare
+    optimizer = ...
+    model, optimizer = accelerator.prepare(model, optimizer)                                          # the engine wraps
+    after_prepare(model, accelerator, engine, model_name)                                            # what must follow
+
+Every engine-specific step of a recipe is here, so the recipe itself is the same under every engine:
+- activation checkpointing (every engine: each block recomputed in backward), set before any engine wraps the blocks;
+- [FSDP2] `fully_shard` block by block, then the root (`zero_utils.wrapping.shard_model`), before the optimizer sees
+  the parameters; a warning when a --fsdp_* wrapping choice was given to another engine, which ignores it;
+- [DeepSpeed] communication bucket sizes from the model's hidden size (`zero_utils.accelerator`);
+- after prepare, [DeepSpeed, 16-bit] the fp32 master weights set from the checkpoint's own fp32 weights.
+Engines: all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from zero_utils import accelerator as launch
+from zero_utils import model as models
+from zero_utils import wrapping
+from zero_utils.engine import Engine
+
+
+@dataclass(frozen=True)
+class FSDPWrapping:
+    """FSDP2's wrapping choices (`wrapping.shard_model`); the defaults are the recipes' flag defaults."""
+
+    reshard_last_block: bool = False  # the last block stays gathered for backward: one all-gather saved
+    embedding_group: bool = True  # the input embedding is its own unit, resharded after forward
+    prefetch_blocks: int = 1  # FSDP2's implicit prefetching
+
+
+def parallelize(model, accelerator, engine: Engine, *, activation_checkpointing: bool,
+                fsdp: FSDPWrapping = FSDPWrapping()) -> None:
+    """Prepare `model` (in place) for the engine, before the optimizer is built and before `accelerator.prepare`:
+    activation checkpointing, then [FSDP2] block-by-block sharding with the `fsdp` choices, or [DeepSpeed] the
+    bucket sizes. Under an engine that is not FSDP2, `fsdp` choices other than the defaults are named in a warning
+    (they have no effect there). Every rank must call it."""
+    if activation_checkpointing:  # before sharding, so every engine wraps the checkpointed blocks
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if engine.is_fsdp2:  # [FSDP2] shard block by block, then the root
+        wrapping.shard_model(model, accelerator, reshard_last_block=fsdp.reshard_last_block,
+                             embedding_group=fsdp.embedding_group, prefetch_blocks=fsdp.prefetch_blocks)
+    elif fsdp != FSDPWrapping():
+        changed = [f"--fsdp_{f.name}" for f in fields(fsdp) if getattr(fsdp, f.name) != f.default]
+        accelerator.print(f"warning: {', '.join(changed)} only change FSDP2's wrapping: no effect under {engine}.")
+    if engine.is_deepspeed:  # [DeepSpeed] communication buckets sized from the model's hidden size
+        launch.size_deepspeed_buckets(accelerator, model)
+
+
+def after_prepare(model, accelerator, engine: Engine, model_name: str) -> None:
+    """What must follow `accelerator.prepare`: [DeepSpeed, bf16/fp16] set the fp32 master weights from the
+    checkpoint's own fp32 weights (`model.restore_fp32_master_weights`; DeepSpeed builds them from the 16-bit
+    cast). Nothing to do under the other engines or in fp32. Every rank must call it."""
+    if engine.is_deepspeed and accelerator.mixed_precision != "no":
+        models.restore_fp32_master_weights(model, model_name)
+
