@@ -5,8 +5,9 @@ benchmarks/run.py times against recipes/llama_zero3.py at world size 1 to measur
 
 Same model (built from the config with the same seed), same packed rows and global-batch order (zero_utils.data),
 same loss (mean over answer tokens), same AdamW (zero_utils.optim.build_adamw: torch.optim.AdamW), same clipping.
-A step is timed from its start to the end of `zero_grad`, as the recipe times it. Writes D/plain_loop.json:
-median tokens_per_s over the steps after --untimed_steps, and every step time.
+A step is timed from its start to the end of `zero_grad` (the recipe: from its start to the optimizer's update,
+the moment `measure.RunMeasurements` records; `zero_grad` after it sets gradients to None, microseconds). Writes
+D/plain_loop.json: median tokens_per_s over the steps after --untimed_steps, and every step time.
 """
 
 import json

@@ -70,8 +70,8 @@ class RunMeasurements:
     `build_adamw` makes) and the frozen ones (LoRA's base). Memory peaks count from construction (CUDA), so they
     show training, not loading. Model-state bytes are measured once, right after the innermost optimizer's first
     step while gradients are still held: the same moment under every engine, even DeepSpeed, whose step runs inside
-    `accelerator.backward`. The step time runs from `start_step` to the innermost optimizer's update, whichever
-    call makes it.
+    `accelerator.backward`. The step time runs from `start_step` to the innermost optimizer's update, or under
+    DeepSpeed (whose update runs inside backward) to the end of `end_step`'s host sync.
     """
 
     def __init__(self, accelerator, engine: Engine, model, optimizer, *, tokens_per_step: int,
@@ -137,8 +137,8 @@ class RunMeasurements:
         result.model_state_bytes = self._model_states.get("total")
         result.model_state_bytes_expected = self.expected_model_state_bytes
         self._timed = result
-        if self._updated_at is not None:  # DeepSpeed: the update ran inside backward, before this call
-            self._time(result, self._updated_at)
+        if self._updated_at is not None:  # DeepSpeed: the update ran inside backward; timed after this host sync
+            self._time(result, time.perf_counter())
         return result
 
     def _on_update(self, *_) -> None:

@@ -84,14 +84,13 @@ def _attach_probes() -> None:
     tracking.RunTracker.write_summary = write_summary_with_evidence
     kill = os.environ.get("ZERO_RECIPES_HARNESS_KILL_RANK_DURING_SAVE")
     if kill:
-        finish = checkpoint.PendingSave.finish
+        class DyingSave(checkpoint.PendingSave):  # a save whose shards are written, not yet completed
+            def finish(self, *args, **kwargs):
+                if kill == f"{self.accelerator.process_index}:{self.step}":
+                    os.kill(os.getpid(), 9)
+                return super().finish(*args, **kwargs)
 
-        def finish_or_die(pending, *args, **kwargs):
-            if kill == f"{pending.accelerator.process_index}:{pending.step}":
-                os.kill(os.getpid(), 9)
-            return finish(pending, *args, **kwargs)
-
-        checkpoint.PendingSave.finish = finish_or_die
+        checkpoint.PendingSave = DyingSave
 
 
 def _evidence() -> dict:
