@@ -224,8 +224,7 @@ def main(cfg: Settings) -> None:
         answer = greedy_answer(model, tokenizer, cfg.prompt, cfg.max_new_tokens, accelerator.device)  # every rank
         summary = {
             "engine": engine.name, "world_size": world, "mixed_precision": accelerator.mixed_precision,
-            "steps": cfg.max_steps,
-            "final_loss": last.loss if last else None, "eval_loss": eval_loss,
+            "steps": cfg.max_steps, "final_loss": last.loss if last else None, "eval_loss": eval_loss,
             "perplexity": math.exp(eval_loss) if eval_loss is not None else None, **meter.summary(),
             "num_params": num_params, "global_batch_rows": train_data.global_batch_rows, "seq_len": cfg.seq_len,
             "frozen_params": frozen_params,  # [LoRA]

@@ -184,20 +184,31 @@ def test_global_batches_partition_each_epoch():
     assert data.global_batch_indices(53, 10, 3, seed=1) == data.global_batch_indices(53, 10, 3, seed=1)
 
 
-def test_rank_micro_batches_split_the_global_batch_without_overlap():
+def test_each_step_splits_the_global_batch_over_ranks_and_micro_steps_without_overlap():
+    """TrainingData.step_batches: 2 ranks x accumulation 2 x 4 rows = the 16-row global batch, each row once, with
+    the model's keyword arguments and the global batch's answer-token count (every label here is an answer)."""
+    from zero_utils import attention
+
     table = {k: torch.arange(16).unsqueeze(1).repeat(1, 4) for k in ("input_ids", "labels", "position_ids")}
 
     class Rows:
+        def __len__(self):
+            return 16
+
         def __getitem__(self, idx):
             return {k: v[idx] for k, v in table.items()}
 
-    indices = list(range(16))
     got = []
     for rank in range(2):
-        for mb in data.rank_micro_batches(Rows(), indices, rank, 2, 4, 2, "cpu"):
-            assert mb["input_ids"].shape == (4, 4)
-            got += mb["input_ids"][:, 0].tolist()
-    assert sorted(got) == indices
+        train_data = data.TrainingData(Rows(), None, {}, seq_len=4, per_device_batch_size=4,
+                                       gradient_accumulation_steps=2, seed=0, attention_path=attention.BLOCK_MASK,
+                                       rank=rank, world_size=2, device="cpu")
+        batches = train_data.step_batches(1)
+        assert len(batches.micro_batches) == 2 and batches.loss_tokens == 16 * 4
+        for micro in batches.micro_batches:
+            assert micro.inputs["input_ids"].shape == (4, 4) and micro.inputs["use_cache"] is False
+            got += micro.inputs["input_ids"][:, 0].tolist()
+    assert sorted(got) == list(range(16))
 
 
 def test_eval_batches_are_equal_in_number_on_every_rank():

@@ -359,17 +359,6 @@ def rank_rows(indices: list[int], rank: int, world_size: int, per_device_batch_s
             for k in range(gradient_accumulation_steps)]
 
 
-def rank_micro_batches(rows, indices: list[int], rank: int, world_size: int, per_device_batch_size: int,
-                       gradient_accumulation_steps: int, device) -> list[dict]:
-    """This rank's micro-batches of one global batch (see `rank_rows`). Each batch maps column -> LongTensor
-    [per_device_batch_size, seq_len] on `device`."""
-    out = []
-    for micro_rows in rank_rows(indices, rank, world_size, per_device_batch_size, gradient_accumulation_steps):
-        batch = rows[micro_rows]
-        out.append({key: batch[key].to(device) for key in ("input_ids", "labels", "position_ids")})
-    return out
-
-
 def describe(info: dict, seq_len: int) -> str:
     """One line about the prepared data, from the `info` of `build_sft_datasets`."""
     line = (f"data: {info['layout']} layout, {info['train_examples']} train / {info['eval_examples']} eval examples "

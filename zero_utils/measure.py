@@ -97,15 +97,14 @@ class RunMeasurements:
         self._local_peaks: dict[str, int] = {}  # this rank's, as sent to that reduction
         self._peak_keys = tuple(peak_memory(self.device))  # which peaks this device reports
         self._t0 = time.perf_counter()
-        self._updated_at: float | None = None
-        self._timed: StepResult | None = None
+        self._current: StepResult | None = None  # this step's result once end_step made it
         # Under DeepSpeed the innermost optimizer steps inside `accelerator.backward`: a hook on it is the one moment
         # every engine shares, right after the update while gradients are still held.
         innermost(optimizer).register_step_post_hook(self._on_update)
         reset_peak_memory(self.device)
 
     def start_step(self) -> None:
-        self._t0, self._updated_at, self._timed = time.perf_counter(), None, None
+        self._t0, self._current = time.perf_counter(), None
 
     def count_saved_activations(self):
         """Context manager around a forward pass: bytes autograd saves for backward, counted the first time."""
@@ -136,21 +135,21 @@ class RunMeasurements:
         result.peaks = dict(self._peaks)
         result.model_state_bytes = self._model_states.get("total")
         result.model_state_bytes_expected = self.expected_model_state_bytes
-        self._timed = result
-        if self._updated_at is not None:  # DeepSpeed: the update ran inside backward; timed after this host sync
+        self._current = result
+        if self.engine.is_deepspeed:  # [DeepSpeed] the update ran inside backward: timed after this host sync
             self._time(result, time.perf_counter())
         return result
 
     def _on_update(self, *_) -> None:
-        self._updated_at = time.perf_counter()
+        updated_at = time.perf_counter()
         if not self._local_model_states:  # the first update: measure the model states once (not timed)
             self._local_model_states.update(measure_model_state_bytes(self.model, self.optimizer))
             # every rank steps its optimizer at this point, so the maximum over ranks can be taken here (once)
             self._model_states = distributed.max_over_ranks(self.accelerator, self._local_model_states)
-            if self._timed is not None:  # DDP, FSDP2: the update follows end_step
-                self._timed.model_state_bytes = self._model_states["total"]
-        if self._timed is not None and self._timed.step_time_s is None:  # DDP, FSDP2: the update follows end_step
-            self._time(self._timed, self._updated_at)
+            if self._current is not None:  # DDP, FSDP2: the update follows end_step
+                self._current.model_state_bytes = self._model_states["total"]
+        if self._current is not None and self._current.step_time_s is None:  # DDP, FSDP2, as above
+            self._time(self._current, updated_at)
 
     def _time(self, result: StepResult, updated_at: float) -> None:
         result.step_time_s = updated_at - self._t0
