@@ -6,7 +6,7 @@ benchmarks/run.py times against recipes/llama_zero3.py at world size 1 to measur
 Same model (built from the config with the same seed), same packed rows and global-batch order (zero_utils.data),
 same loss (mean over answer tokens), same AdamW (zero_utils.optim.build_adamw: torch.optim.AdamW), same clipping.
 A step is timed from its start to the end of `zero_grad` (the recipe: from its start to the optimizer's update,
-the moment `measure.RunMeasurements` records; `zero_grad` after it sets gradients to None, microseconds). Writes
+the moment `measurement.RunMeasurements` records; `zero_grad` after it sets gradients to None, microseconds). Writes
 D/plain_loop.json: median tokens_per_s over the steps after --untimed_steps, and every step time.
 """
 
@@ -19,7 +19,7 @@ import torch
 import workload  # benchmarks/workload.py: flags, loss and timing shared with trainer_baseline.py
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from zero_utils import data
+from zero_utils import data, sft_examples
 from zero_utils.model import load_tokenizer
 from zero_utils.optim import build_adamw
 
@@ -43,7 +43,7 @@ for step in range(1, args.max_steps + 1):
     batch = rows[data.global_batch_indices(len(rows), args.per_device_batch_size, step, args.seed)]
     logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
     labels = batch["labels"]
-    loss = workload.token_loss_sum(logits, labels) / (labels != data.IGNORE_INDEX).sum()
+    loss = workload.token_loss_sum(logits, labels) / (labels != sft_examples.IGNORE_INDEX).sum()
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()

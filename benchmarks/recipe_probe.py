@@ -33,6 +33,7 @@ from pathlib import Path
 
 import zero_utils.accelerator
 import zero_utils.data
+import zero_utils.deepspeed_setup
 import zero_utils.wrapping
 
 REPO = Path(__file__).resolve().parent.parent
@@ -110,14 +111,14 @@ def count_collectives(events, world: int) -> dict:
 
 
 def override_deepspeed_zero(settings: dict) -> None:
-    size_deepspeed_buckets = zero_utils.accelerator.size_deepspeed_buckets
+    size_deepspeed_buckets = zero_utils.deepspeed_setup.size_deepspeed_buckets
 
     def sized_then_overridden(accelerator, model):
         written = size_deepspeed_buckets(accelerator, model)
         accelerator.state.deepspeed_plugin.deepspeed_config["zero_optimization"].update(settings)
         return written | settings
 
-    zero_utils.accelerator.size_deepspeed_buckets = sized_then_overridden
+    zero_utils.deepspeed_setup.size_deepspeed_buckets = sized_then_overridden
 
 
 def accelerate_fsdp2_prep() -> None:

@@ -23,7 +23,7 @@ from accelerate import PartialState
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from zero_utils import accelerator as accelerator_setup
-from zero_utils import data, distributed, evidence, measure
+from zero_utils import data, distributed, evidence, measurement, sft_examples
 from zero_utils.engine import Engine
 from zero_utils.model import load_causal_lm, load_tokenizer
 
@@ -51,7 +51,8 @@ model.config.use_cache = False  # packed rows: with a cache object transformers 
 
 def token_mean_loss(outputs, labels, num_items_in_batch=None):
     loss_sum = workload.token_loss_sum(outputs.logits, labels)
-    return loss_sum / (num_items_in_batch if num_items_in_batch is not None else (labels != data.IGNORE_INDEX).sum())
+    tokens = num_items_in_batch if num_items_in_batch is not None else (labels != sft_examples.IGNORE_INDEX).sum()
+    return loss_sum / tokens
 
 
 class StepTimer(TrainerCallback):
@@ -83,7 +84,7 @@ fractions = distributed.max_over_ranks(trainer.accelerator, {f"rank{r}": 0 for r
                                    | {f"rank{trainer.accelerator.process_index}": round(
                                        evidence["local_param_fraction"] * 1e6)})
 peak = distributed.max_over_ranks(trainer.accelerator,
-                              {"peak_mem_bytes": measure.peak_memory_bytes(trainer.accelerator.device)})
+                              {"peak_mem_bytes": measurement.peak_memory_bytes(trainer.accelerator.device)})
 tokens_per_step = args.per_device_batch_size * world * args.seq_len
 if trainer.accelerator.is_main_process:
     result = {

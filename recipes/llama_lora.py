@@ -31,10 +31,11 @@ from tqdm.auto import tqdm
 
 from zero_utils import distributed, tracking  # [LoRA] distributed: the adapter saved on the main process
 from zero_utils.accelerator import build_accelerator, close_and_exit
-from zero_utils.checkpoint import Checkpointer, checkpoint_bytes
+from zero_utils.checkpoint import Checkpointer
 from zero_utils.cli import flag, run_recipe
 from zero_utils.data import BUNDLED_DATASET, TrainingData
-from zero_utils.measure import RunMeasurements
+from zero_utils.deepspeed_setup import zero3_init_disabled  # [LoRA] the merge builds the base whole
+from zero_utils.measurement import RunMeasurements, checkpoint_bytes
 from zero_utils.model import (
     BUNDLED_MODEL,
     count_parameters,
@@ -43,11 +44,10 @@ from zero_utils.model import (
     load_causal_lm,
     load_config,
     load_tokenizer,
-    quantization_config,  # [LoRA]
-    zero3_init_disabled,  # [LoRA]
 )
 from zero_utils.optim import build_adamw, describe_param_groups, lr_at, set_lr
 from zero_utils.parallelize import FSDPWrapping, parallelize  # [LoRA] no after_prepare: below
+from zero_utils.qlora import quantization_config  # [LoRA]
 
 
 # ---------------------------------------------------------------------------------------------- settings

@@ -39,10 +39,10 @@ from tqdm.auto import tqdm
 
 from zero_utils import tracking
 from zero_utils.accelerator import build_accelerator, close_and_exit
-from zero_utils.checkpoint import Checkpointer, checkpoint_bytes
+from zero_utils.checkpoint import Checkpointer
 from zero_utils.cli import flag, run_recipe
 from zero_utils.data import BUNDLED_DATASET, TrainingData
-from zero_utils.measure import RunMeasurements
+from zero_utils.measurement import RunMeasurements, checkpoint_bytes
 from zero_utils.model import (
     BUNDLED_MODEL,
     count_parameters,

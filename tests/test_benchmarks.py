@@ -12,7 +12,7 @@ import sys
 import pytest
 from conftest import REPO, isolated_env
 
-import zero_utils.accelerator
+import zero_utils.memory_formulas
 
 ENGINES = ["ddp", "zero1", "zero2", "zero3", "fsdp2", "fsdp2_zero2", "fsdp2_accelerate_prep"]
 
@@ -50,11 +50,11 @@ def test_comm_rows(results):
     assert rows["fsdp2"]["elements"]["reduce_scatter"] == results["num_params"]  # each gradient reduced once
     for r in rows.values():
         assert 0.4 < r["measured_over_theory"] < 2, r
-    # DeepSpeed's buckets are sized with zero_utils.accelerator's floor (25 MiB of fp32 elements), which holds all of
+    # DeepSpeed's buckets are sized with memory_formulas's floor (25 MiB of fp32 elements), which holds all of
     # this model's gradients (3.3M elements): one gradient collective per step, as DDP's one 25 MiB bucket. With
     # accelerate's "auto" (h^2 = 65,536 elements) it was one per weight matrix (35 reduce-scatters, 33-41
     # all-reduces), 0.76x the Trainer's tokens/s.
-    assert results["num_params"] < zero_utils.accelerator.MIN_BUCKET_ELEMENTS
+    assert results["num_params"] < zero_utils.memory_formulas.MIN_BUCKET_ELEMENTS
     assert rows["zero3"]["calls"]["c10d::_reduce_scatter_base_"] == 1
     for engine in ("zero1", "zero2"):
         assert rows[engine]["calls"]["c10d::allreduce_"] <= rows["ddp"]["calls"]["c10d::allreduce_"] + 1

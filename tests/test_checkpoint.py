@@ -17,7 +17,7 @@ import torch
 from conftest import EIGHT_STEPS, REPO, Run, isolated_env, launch
 from safetensors.torch import load_file
 
-from zero_utils import checkpoint
+from zero_utils import checkpoint, checkpoint_export, checkpoint_storage
 from zero_utils.errors import UserError
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -47,7 +47,7 @@ def test_resume_continues_exactly(run_layout, resume, engine):
     want, got = losses(original), losses(resumed)
     assert sorted(got) == [5, 6, 7, 8]  # the data order continues: no step is repeated or skipped
     assert [got[s] for s in got] == pytest.approx([want[s] for s in got], rel=EXACT_RTOL)
-    meta = checkpoint.read_metadata(original.output_dir / "checkpoints/step_4")
+    meta = checkpoint_storage.read_metadata(original.output_dir / "checkpoints/step_4")
     assert meta["step"] == 4 and meta["examples_seen"] == 32 and meta["world_size"] == 2 and meta["engine"] == engine
 
 
@@ -87,7 +87,7 @@ def test_resume_auto_with_more_steps_follows_the_new_schedule(run_layout, sessio
     metrics = run.metrics()
     assert [m["step"] for m in metrics] == list(range(1, 11))  # one record, continued
     assert metrics[8]["lr"] == pytest.approx(lr_at(9, max_steps=10, peak_lr=2e-3, warmup_steps=2))
-    assert [p.name for _, p in checkpoint.list_complete(copy)] == ["step_8", "step_10"]
+    assert [p.name for _, p in checkpoint_storage.list_complete(copy)] == ["step_8", "step_10"]
 
 
 def test_a_rank_killed_while_saving_leaves_the_previous_checkpoint_usable(runs, run_layout, small_model):
@@ -99,7 +99,7 @@ def test_a_rank_killed_while_saving_leaves_the_previous_checkpoint_usable(runs, 
     env = {**isolated_env(out.parent), env_name: "1:8"}
     crashed = launch(out, *args, config="fsdp2", mixed_precision="no", env=env)
     assert crashed.returncode != 0
-    assert [p.name for _, p in checkpoint.list_complete(out)] == ["step_4"]
+    assert [p.name for _, p in checkpoint_storage.list_complete(out)] == ["step_4"]
     assert (out / "checkpoints/.tmp_step_8").exists() and not (out / "checkpoints/step_8").exists()
     resumed = launch(out, *args, "--resume", "auto", config="fsdp2", mixed_precision="no",
                      env=isolated_env(out.parent)).check()
@@ -112,9 +112,10 @@ def test_async_save_trains_on_while_writing_and_writes_the_same_checkpoint(runs,
     run = runs("ck-async", *EIGHT_STEPS, "--model", small_model, "--per_device_batch_size", "4", "--async_save",
                config="fsdp2", mixed_precision="no").check()
     assert [m["loss"] for m in run.metrics()] == [m["loss"] for m in sync.metrics()]
-    meta = checkpoint.read_metadata(run.output_dir / "checkpoints/step_4")
+    meta = checkpoint_storage.read_metadata(run.output_dir / "checkpoints/step_4")
     assert meta["async"] and meta["finalized_after_step"] > 4  # steps 5.. ran before the save was finalized
-    exported = [checkpoint.export(r.output_dir / "checkpoints/step_4", r.output_dir / "export4") for r in (run, sync)]
+    exported = [checkpoint_export.export(r.output_dir / "checkpoints/step_4", r.output_dir / "export4")
+                for r in (run, sync)]
     a, b = (load_file(d / "model.safetensors") for d in exported)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -125,7 +126,7 @@ def test_export_reproduces_the_trained_models_logits(run_layout, session_root, e
     keys, and its logits equal those the sharded model computed at the end of training."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from zero_utils import data
+    from zero_utils import sft_examples
 
     run = run_layout(engine, 2, 4, 1)
     out = session_root / f"export-{engine}"
@@ -137,7 +138,7 @@ def test_export_reproduces_the_trained_models_logits(run_layout, session_root, e
     model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     tokenizer = AutoTokenizer.from_pretrained(out)
-    prompt = data.render_prompt(tokenizer, [{"role": "user", "content": run.summary()["prompt"]}])
+    prompt = sft_examples.render_prompt(tokenizer, [{"role": "user", "content": run.summary()["prompt"]}])
     ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
     with torch.no_grad():
         logits = model(input_ids=ids, use_cache=False).logits[0, -1]
@@ -187,7 +188,7 @@ def test_checkpoint_of_another_model_is_refused(runs, run_layout):
 
 def test_new_run_never_deletes_another_runs_checkpoints(tmp_path):
     (tmp_path / "checkpoints/step_4").mkdir(parents=True)
-    (tmp_path / "checkpoints/step_4" / checkpoint.META_FILE).write_text(json.dumps({"step": 4}))
+    (tmp_path / "checkpoints/step_4" / checkpoint_storage.META_FILE).write_text(json.dumps({"step": 4}))
     with pytest.raises(UserError, match="--resume auto .* --overwrite"):
         checkpoint.resolve_resume(str(tmp_path), "", overwrite=False)
     assert checkpoint.resolve_resume(str(tmp_path), "", overwrite=True) is None

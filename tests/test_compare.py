@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import CONFIGS, REPO, isolated_env
 
-from zero_utils import compare
+from zero_utils import compare, compare_report
 from zero_utils.errors import UserError
 
 GROUP = "test-compare-group"
@@ -134,8 +134,9 @@ def _fake_run(config: str, engine: str | None, state_bytes: float = 0, tokens_pe
 
 @pytest.mark.unit
 def test_ratios_are_relative_to_the_ddp_row():
-    rows, baseline = compare.build_table([_fake_run("fsdp2", "fsdp2", 8e6, 3000), _fake_run("ddp", "ddp", 16e6, 4000),
-                                          _fake_run("zero3", None, error="boom | bad")])
+    rows, baseline = compare_report.build_table([_fake_run("fsdp2", "fsdp2", 8e6, 3000),
+                                                 _fake_run("ddp", "ddp", 16e6, 4000),
+                                                 _fake_run("zero3", None, error="boom | bad")])
     assert baseline == "ddp"
     fsdp2, ddp, failed = rows
     assert fsdp2["ratio_model_state_bytes"] == pytest.approx(0.5)
@@ -143,7 +144,7 @@ def test_ratios_are_relative_to_the_ddp_row():
     assert fsdp2["ratio_step_time_s"] == pytest.approx(4 / 3)
     assert ddp["ratio_final_loss"] == 1.0
     assert failed["error"] == "boom | bad" and failed["ratio_tokens_per_s"] is None and failed["world_size"] == 2
-    table = compare.markdown_table(rows).splitlines()
+    table = compare_report.markdown_table(rows).splitlines()
     assert table[2].startswith("| fsdp2 | fsdp2 | 2 | 8.00 (0.50x) | 8.00 | 16.0 (0.50x) | 3,000 (0.75x) |")
     assert table[4].endswith("| failed: boom \\| bad |")  # a pipe in the error does not break the table
 
@@ -151,10 +152,10 @@ def test_ratios_are_relative_to_the_ddp_row():
 @pytest.mark.unit
 def test_without_ddp_the_ratios_are_blank(tmp_path):
     runs = [_fake_run("zero2", "zero2", 12e6, 3000), _fake_run("fsdp2", "fsdp2", 8e6, 2500)]
-    rows, baseline = compare.build_table(runs)
-    assert baseline is None and all(r[f"ratio_{k}"] is None for r in rows for k in compare.METRICS)
-    assert "x)" not in compare.markdown_table(rows)
-    report, _, charts = compare.write_report(tmp_path, runs, "python -m zero_utils.compare ...", group=None)
+    rows, baseline = compare_report.build_table(runs)
+    assert baseline is None and all(r[f"ratio_{k}"] is None for r in rows for k in compare_report.METRICS)
+    assert "x)" not in compare_report.markdown_table(rows)
+    report, _, charts = compare_report.write_report(tmp_path, runs, "python -m zero_utils.compare ...", group=None)
     assert "No DDP baseline: ratios left blank." in report.read_text()
     assert all(c.stat().st_size > 0 for c in charts)
 
@@ -175,7 +176,7 @@ def test_user_errors_are_one_line_and_exit_2(tmp_path, capsys):
     with pytest.raises(UserError, match="unknown config 'zero4'; use one of: .*zero3"):
         compare.resolve_config("zero4")
     with pytest.raises(UserError, match="holds no summary.json"):
-        compare.load_run(tmp_path)
+        compare_report.load_run(tmp_path)
     assert compare.main(["--configs", "ddp", "nope", "--num_processes", "2", "--output_dir", str(tmp_path)]) == 2
     assert compare.main(["--configs", "ddp", "--num_processes", "2", "--output_dir", str(tmp_path), "--",
                          "--output_dir", "x"]) == 2

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from zero_utils import data
+from zero_utils import data, sft_examples
 from zero_utils.errors import UserError
 from zero_utils.model import BUNDLED_MODEL
 
@@ -34,47 +34,47 @@ def plain_tokenizer():
 
 def trained_text(tokenizer, example) -> str:
     """The text of the tokens that carry loss (labels are shifted: label t is the target of position t)."""
-    return tokenizer.decode([t for t in example["labels"] if t != data.IGNORE_INDEX])
+    return tokenizer.decode([t for t in example["labels"] if t != sft_examples.IGNORE_INDEX])
 
 
 def test_chat_template_masks_everything_but_the_answer(tokenizer):
-    example = data.tokenize_example(tokenizer, CHAT)
+    example = sft_examples.tokenize_example(tokenizer, CHAT)
     assert tokenizer.decode(example["input_ids"]).startswith("<s><|user|>")
     assert trained_text(tokenizer, example) == "2 plus 3 is 5.<|end|>\n"
-    assert len(example["labels"]) == len(example["input_ids"]) and example["labels"][-1] == data.IGNORE_INDEX
+    assert len(example["labels"]) == len(example["input_ids"]) and example["labels"][-1] == sft_examples.IGNORE_INDEX
 
 
 def test_labels_are_the_next_token_of_the_same_example(tokenizer):
-    example = data.tokenize_example(tokenizer, CHAT)
+    example = sft_examples.tokenize_example(tokenizer, CHAT)
     ids, labels = example["input_ids"], example["labels"]
     for t, label in enumerate(labels):
-        if label != data.IGNORE_INDEX:
+        if label != sft_examples.IGNORE_INDEX:
             assert label == ids[t + 1]
 
 
 def test_multi_turn_trains_every_assistant_turn(tokenizer):
     turns = CHAT + [{"role": "user", "content": "And 1 plus 1?"}, {"role": "assistant", "content": "1 plus 1 is 2."}]
-    text = trained_text(tokenizer, data.tokenize_example(tokenizer, turns))
+    text = trained_text(tokenizer, sft_examples.tokenize_example(tokenizer, turns))
     assert "2 plus 3 is 5." in text and "1 plus 1 is 2." in text and "And 1 plus 1" not in text
 
 
 def test_fallback_format_without_chat_template(plain_tokenizer):
-    example = data.tokenize_example(plain_tokenizer, CHAT)
+    example = sft_examples.tokenize_example(plain_tokenizer, CHAT)
     decoded = plain_tokenizer.decode(example["input_ids"])
     assert "### User:\nWhat is 2 plus 3?" in decoded and "### Assistant:\n2 plus 3 is 5." in decoded
     assert trained_text(plain_tokenizer, example).startswith("2 plus 3 is 5.")
-    assert data.render_prompt(plain_tokenizer, CHAT[:1]).endswith(data.PLAIN_ASSISTANT_PREFIX)
+    assert sft_examples.render_prompt(plain_tokenizer, CHAT[:1]).endswith(sft_examples.PLAIN_ASSISTANT_PREFIX)
 
 
 def test_prompt_rendering_matches_training_prefix(tokenizer):
-    prompt = data.render_prompt(tokenizer, CHAT[:1])
-    full = tokenizer.decode(data.tokenize_example(tokenizer, CHAT)["input_ids"])
+    prompt = sft_examples.render_prompt(tokenizer, CHAT[:1])
+    full = tokenizer.decode(sft_examples.tokenize_example(tokenizer, CHAT)["input_ids"])
     assert full.startswith(prompt)
 
 
 def test_text_layout_trains_every_token(tokenizer):
-    example = data.tokenize_example(tokenizer, "plain text to learn")
-    assert sum(label != data.IGNORE_INDEX for label in example["labels"]) == len(example["input_ids"]) - 1
+    example = sft_examples.tokenize_example(tokenizer, "plain text to learn")
+    assert sum(label != sft_examples.IGNORE_INDEX for label in example["labels"]) == len(example["input_ids"]) - 1
 
 
 @pytest.mark.parametrize("columns,layout", [
@@ -82,25 +82,25 @@ def test_text_layout_trains_every_token(tokenizer):
     (["instruction", "input", "output"], "alpaca"), (["instruction", "output"], "alpaca"), (["text", "id"], "text"),
 ])
 def test_layout_detection(columns, layout):
-    assert data.detect_layout(columns) == layout
+    assert sft_examples.detect_layout(columns) == layout
 
 
 def test_layout_detection_error_names_columns_and_fix():
     with pytest.raises(UserError, match=r"\['answer', 'question'\].*--columns"):
-        data.detect_layout(["question", "answer"])
-    mapping = data.parse_column_map("prompt=question,completion=answer")
-    assert data.detect_layout(["question", "answer"], mapping) == "prompt_completion"
-    assert data.to_messages({"question": "q", "answer": "a"}, "prompt_completion", mapping)[1]["content"] == "a"
+        sft_examples.detect_layout(["question", "answer"])
+    mapping = sft_examples.parse_column_map("prompt=question,completion=answer")
+    assert sft_examples.detect_layout(["question", "answer"], mapping) == "prompt_completion"
+    assert sft_examples.to_messages({"question": "q", "answer": "a"}, "prompt_completion", mapping)[1]["content"] == "a"
 
 
 @pytest.mark.parametrize("spec", ["prompt", "bogus=question", "prompt="])
 def test_bad_column_map_is_a_user_error(spec):
     with pytest.raises(UserError):
-        data.parse_column_map(spec)
+        sft_examples.parse_column_map(spec)
 
 
 def test_alpaca_input_joins_the_instruction():
-    messages = data.to_messages({"instruction": "Sum", "input": "1 2", "output": "3"}, "alpaca")
+    messages = sft_examples.to_messages({"instruction": "Sum", "input": "1 2", "output": "3"}, "alpaca")
     assert messages[0]["content"] == "Sum\n\n1 2" and messages[1]["content"] == "3"
 
 
@@ -131,7 +131,7 @@ def test_local_file_formats(tmp_path, fmt, records, layout):
     _write(path, records, fmt)
     raw = data.load_raw_dataset(str(path))
     assert len(raw["train"]) == 4
-    assert data.detect_layout(raw["train"].column_names) == layout
+    assert sft_examples.detect_layout(raw["train"].column_names) == layout
 
 
 def test_missing_dataset_path_is_a_user_error(tmp_path):
@@ -140,7 +140,7 @@ def test_missing_dataset_path_is_a_user_error(tmp_path):
 
 
 def test_packing_fills_rows_and_restarts_positions(tokenizer):
-    examples = [data.tokenize_example(tokenizer, CHAT) for _ in range(10)]
+    examples = [sft_examples.tokenize_example(tokenizer, CHAT) for _ in range(10)]
     length = len(examples[0]["input_ids"])
     rows, truncated = data.pack_examples(examples, seq_len=3 * length + 2, pad_token_id=tokenizer.pad_token_id)
     assert truncated == 0 and len(rows) == 4  # 3 + 3 + 3 + 1 examples
@@ -148,14 +148,14 @@ def test_packing_fills_rows_and_restarts_positions(tokenizer):
     assert all(len(first[k]) == 3 * length + 2 for k in ("input_ids", "labels", "position_ids"))
     assert first["position_ids"][:length] == list(range(length))
     assert first["position_ids"][length:2 * length] == list(range(length))
-    assert first["labels"][length - 1] == data.IGNORE_INDEX  # no prediction across the example boundary
-    assert first["labels"][-2:] == [data.IGNORE_INDEX] * 2  # padding carries no loss
+    assert first["labels"][length - 1] == sft_examples.IGNORE_INDEX  # no prediction across the example boundary
+    assert first["labels"][-2:] == [sft_examples.IGNORE_INDEX] * 2  # padding carries no loss
 
 
 def test_long_examples_are_truncated_and_counted(tokenizer):
-    examples = [data.tokenize_example(tokenizer, "word " * 100)]
+    examples = [sft_examples.tokenize_example(tokenizer, "word " * 100)]
     rows, truncated = data.pack_examples(examples, seq_len=16, pad_token_id=0)
-    assert truncated == 1 and len(rows[0]["input_ids"]) == 16 and rows[0]["labels"][-1] == data.IGNORE_INDEX
+    assert truncated == 1 and len(rows[0]["input_ids"]) == 16 and rows[0]["labels"][-1] == sft_examples.IGNORE_INDEX
 
 
 def test_packed_example_logits_equal_alone(tokenizer):
@@ -164,8 +164,8 @@ def test_packed_example_logits_equal_alone(tokenizer):
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     model = LlamaForCausalLM(config).eval()
-    first = data.tokenize_example(tokenizer, CHAT)
-    second = data.tokenize_example(tokenizer, [{"role": "user", "content": "Spell cat."},
+    first = sft_examples.tokenize_example(tokenizer, CHAT)
+    second = sft_examples.tokenize_example(tokenizer, [{"role": "user", "content": "Spell cat."},
                                                {"role": "assistant", "content": "c-a-t"}])
     rows, _ = data.pack_examples([first, second], seq_len=128, pad_token_id=tokenizer.pad_token_id)
     row = rows[0]
@@ -223,7 +223,8 @@ def test_eval_batches_are_equal_in_number_on_every_rank():
 
     per_rank = [list(data.eval_micro_batches(Rows(), r, 4, 1, "cpu")) for r in range(4)]
     assert {len(b) for b in per_rank} == {2}
-    real = [int(b["labels"][0, 0]) for batches in per_rank for b in batches if (b["labels"] != data.IGNORE_INDEX).any()]
+    real = [int(b["labels"][0, 0]) for batches in per_rank for b in batches
+            if (b["labels"] != sft_examples.IGNORE_INDEX).any()]
     assert sorted(real) == [0, 1, 2, 3, 4]  # each row exactly once; the three filler batches carry no loss
 
 

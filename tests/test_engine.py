@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from zero_utils import checkpoint
+from zero_utils import checkpoint, checkpoint_storage
 from zero_utils.engine import Engine
 
 pytestmark = pytest.mark.unit
@@ -30,9 +30,9 @@ def test_every_engine_name_reads_back_as_what_it_is(name):
     family, stage, offload, shards, storage = TABLE[name]
     engine = Engine.parse(name)
     assert (engine.family, engine.zero_stage, engine.offload) == (family, stage, offload)
-    assert engine.shards_params is shards and engine.checkpoint_storage == storage
+    assert engine.shards_params is shards and checkpoint_storage.storage_for(engine).name == storage
     assert engine.name == str(engine) == name
-    assert engine.supports_async_save is (storage == "dcp")
+    assert checkpoint_storage.storage_for(engine).supports_async_save is (storage == "dcp")
 
 
 def test_hsdp_and_unknown_names():

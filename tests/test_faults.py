@@ -11,7 +11,7 @@ import time
 import pytest
 from conftest import REPO, free_port, isolated_env, launch
 
-from zero_utils import checkpoint
+from zero_utils import checkpoint_storage
 from zero_utils.launcher import accelerate_launch_command, config_file
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -61,7 +61,7 @@ def test_preemption_saves_a_complete_checkpoint_and_resume_continues(tmp_path, t
     elapsed = time.time() - sent
     assert elapsed < GRACE_S, f"took {elapsed:.0f} s"
     assert "received: stopped after step" in output, output[-3000:]
-    saved = checkpoint.list_complete(out)
+    saved = checkpoint_storage.list_complete(out)
     assert saved, output[-3000:]
     step = saved[-1][0]
     assert step >= 3 and len(out.joinpath("metrics.jsonl").read_text().splitlines()) == step
@@ -78,7 +78,7 @@ def test_diverging_loss_stops_with_a_sentence_and_keeps_the_last_good_checkpoint
     assert run.returncode != 0
     stopped = [line for line in run.stderr.splitlines() if line.startswith("stopped: the loss became")]
     assert stopped, run.output[-3000:]
-    saved = checkpoint.list_complete(out)
+    saved = checkpoint_storage.list_complete(out)
     assert saved and f"last good checkpoint is {saved[-1][1]}" in stopped[0]
     bad_step = int(stopped[0].split(" at step ")[1].split()[0])
     assert saved[-1][0] == bad_step - 1  # nothing saved at or after the bad step
@@ -91,7 +91,7 @@ def test_a_rank_killed_fails_the_job_and_resume_auto_continues(tmp_path):
     os.kill(workers_of(proc)[-1], signal.SIGKILL)
     output = proc.communicate(timeout=120)[0]
     assert proc.returncode != 0, output[-2000:]
-    saved = checkpoint.list_complete(out)
+    saved = checkpoint_storage.list_complete(out)
     assert saved and saved[-1][0] >= 4
     step = saved[-1][0]
     resumed = launch(out, *LONG_RUN, "--max_steps", str(step + 2), "--save_every", "2", "--resume", "auto",

@@ -44,7 +44,7 @@ def test_lora_trains_only_adapters_and_reloads_to_the_same_logits(runs, base_mod
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from zero_utils import data
+    from zero_utils import sft_examples
 
     run = lora_run(runs, base_model, engine)
     summary = run.summary()
@@ -54,7 +54,7 @@ def test_lora_trains_only_adapters_and_reloads_to_the_same_logits(runs, base_mod
     assert adapter and all(t.numel() > 0 for t in adapter.values())
 
     tokenizer = AutoTokenizer.from_pretrained(run.output_dir / "final")
-    prompt = data.render_prompt(tokenizer, [{"role": "user", "content": summary["prompt"]}])
+    prompt = sft_examples.render_prompt(tokenizer, [{"role": "user", "content": summary["prompt"]}])
     ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
     expected = load_file(run.output_dir / "probe_logits.safetensors")["logits"]
     reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_model), run.output_dir / "final")

@@ -12,7 +12,10 @@ import pytest
 import torch
 from conftest import REPO
 
-from zero_utils import measure, memory
+from zero_utils import measurement, memory
+from zero_utils import memory_estimate as estimator
+from zero_utils import memory_formulas as formulas
+from zero_utils.engine import Engine
 from zero_utils.errors import UserError
 
 pytestmark = pytest.mark.unit
@@ -24,7 +27,7 @@ LLAMA_70B = {"hidden_size": 8192, "num_layers": 80, "vocab_size": 32000, "interm
 
 def gpu_state_bytes(engine, num_params, world_size, mixed_precision="bf16", formula="paper", **kwargs) -> int:
     """The textbook ZeRO formula (the paper's 2 + 2 + 12 bytes) unless `formula="engine"`."""
-    return memory.model_state_bytes(engine, num_params, world_size, mixed_precision, formula=formula,
+    return formulas.model_state_bytes(Engine.parse(engine), num_params, world_size, mixed_precision, formula=formula,
                                     **kwargs).gpu_bytes
 
 
@@ -43,9 +46,10 @@ def test_engine_rows_are_the_measured_bytes_per_param():
     fp32 DDP 16, ZeRO-1/2 4 + 20/N, ZeRO-3 24/N, FSDP2 16/N; bf16 ZeRO-1/2 2 + 18/N, ZeRO-3 20/N."""
     psi = 1_000_000
     engines = ("ddp", "zero1", "zero2", "zero3", "fsdp2")
-    fp32 = {engine: memory.expected_model_state_bytes(engine, psi, 4, "no") / psi for engine in engines}
+    fp32 = {engine: formulas.expected_model_state_bytes(Engine.parse(engine), psi, 4, "no") / psi for engine in engines}
     assert fp32 == {"ddp": 16, "zero1": 9, "zero2": 9, "zero3": 6, "fsdp2": 4}
-    bf16 = {engine: memory.expected_model_state_bytes(engine, psi, 4, "bf16") / psi for engine in engines}
+    bf16 = {engine: formulas.expected_model_state_bytes(Engine.parse(engine), psi, 4, "bf16") / psi
+            for engine in engines}
     assert bf16 == {"ddp": 16, "zero1": 6.5, "zero2": 6.5, "zero3": 5, "fsdp2": 4}
 
 
@@ -54,29 +58,30 @@ def test_uneven_sharding_is_added_exactly_from_the_layout():
     each parameter: the remainder is computed from the shapes, not hidden in a tolerance."""
     groups = [[(10, 4), (7, 3)], [(5,)]]  # 40 + 21 + 5 = 66 parameters in two optimizer groups
     # FSDP2 at 4 ranks: rank 0 holds ceil(10/4)*4 + ceil(7/4)*3 + ceil(5/4) = 12 + 6 + 2 = 20 of an even 16.5
-    assert memory.sharding_remainder_bytes("fsdp2", groups, 4, "no") == round(3.5 * 16)
+    assert formulas.sharding_remainder_bytes(Engine.parse("fsdp2"), groups, 4, "no") == round(3.5 * 16)
     # ZeRO-3 at 4 ranks: ceil(40/4) + ceil(21/4) + ceil(5/4) = 10 + 6 + 2 = 18 elements of 16.5, at 24 B each
-    assert memory.sharding_remainder_bytes("zero3", groups, 4, "no") == round(1.5 * 24)
+    assert formulas.sharding_remainder_bytes(Engine.parse("zero3"), groups, 4, "no") == round(1.5 * 24)
     # ZeRO-2 at 2 ranks: group 0 (61 elements, padded to 64) splits at 32: rank 0 keeps the (10, 4) param whole
     # (40) and rank 1 both params it touches (40 + 21 = 61); group 1 (5, padded to 8) is on both: max 61 + 5 = 66
-    assert memory.sharding_remainder_bytes("zero2", groups, 2, "no") == round((66 - 33) * 4)
-    assert memory.sharding_remainder_bytes("ddp", groups, 2, "no") == 0
+    assert formulas.sharding_remainder_bytes(Engine.parse("zero2"), groups, 2, "no") == round((66 - 33) * 4)
+    assert formulas.sharding_remainder_bytes(Engine.parse("ddp"), groups, 2, "no") == 0
 
 
 def test_recipe_call_counts_gpu_and_cpu_and_accepts_every_engine_name():
     psi = 2_000_000
-    assert memory.expected_model_state_bytes("zero3_offload", psi, 2, "bf16") == 20 * psi // 2
-    assert memory.expected_model_state_bytes("fsdp2_zero2_offload", psi, 2, "bf16") == 16 * psi // 2
-    assert memory.expected_model_state_bytes("single", psi, 1) == 16 * psi
+    assert formulas.expected_model_state_bytes(Engine.parse("zero3_offload"), psi, 2, "bf16") == 20 * psi // 2
+    assert formulas.expected_model_state_bytes(Engine.parse("fsdp2_zero2_offload"), psi, 2, "bf16") == 16 * psi // 2
+    assert formulas.expected_model_state_bytes(Engine.parse("single"), psi, 1) == 16 * psi
     with pytest.raises(UserError, match="zero4"):
-        memory.expected_model_state_bytes("zero4", psi, 2)
+        estimator.engine_named("zero4")
 
 
 @pytest.mark.parametrize("engine", ["ddp", "zero1", "zero2", "zero3", "fsdp2", "fsdp2_zero2"])
 def test_lora_trains_a_fraction_and_stores_frozen_weights_as_the_engine_stores_params(engine):
     psi, world, fraction = 8_000_000, 4, 0.25
-    full = memory.model_state_bytes(engine, psi, world, "bf16")
-    lora = memory.model_state_bytes(engine, int(psi * fraction), world, "bf16", frozen_params=int(psi * (1 - fraction)))
+    full = formulas.model_state_bytes(Engine.parse(engine), psi, world, "bf16")
+    lora = formulas.model_state_bytes(Engine.parse(engine), int(psi * fraction), world, "bf16",
+                                      frozen_params=int(psi * (1 - fraction)))
     assert lora.gpu["grads"] == pytest.approx(full.gpu["grads"] * fraction, abs=2)
     assert lora.gpu["optimizer"] == pytest.approx(full.gpu["optimizer"] * fraction, abs=2)
     # frozen weights cost what a parameter costs under the engine: all parameters together cost the full model's
@@ -84,30 +89,30 @@ def test_lora_trains_a_fraction_and_stores_frozen_weights_as_the_engine_stores_p
 
 
 def test_lora_fraction_in_the_estimate_matches_the_formula():
-    setup = memory.Setup(num_params=8_000_000, num_gpus=4, lora_fraction=0.5, formula="paper")
-    [zero3] = memory.estimate(setup, ("zero3",))
+    setup = estimator.Setup(num_params=8_000_000, num_gpus=4, lora_fraction=0.5, formula="paper")
+    [zero3] = estimator.estimate(setup, (Engine.parse("zero3"),))
     assert zero3.model_states.gpu == {"params": 2 * 8_000_000 // 4, "grads": 2 * 4_000_000 // 4,
                                       "optimizer": 12 * 4_000_000 // 4}
 
 
 def test_offload_moves_bytes_from_gpu_to_cpu():
     psi, world = 8_000_000, 8
-    kept = memory.model_state_bytes("zero3", psi, world, "bf16")
-    optimizer_off = memory.model_state_bytes("zero3", psi, world, "bf16", offload_optimizer=True)
+    kept = formulas.model_state_bytes(Engine.parse("zero3"), psi, world, "bf16")
+    optimizer_off = formulas.model_state_bytes(Engine.parse("zero3"), psi, world, "bf16", offload_optimizer=True)
     assert optimizer_off.gpu == {"params": kept.gpu["params"], "grads": 0, "optimizer": 0}
     assert optimizer_off.cpu == {"params": 0, "grads": kept.gpu["grads"], "optimizer": kept.gpu["optimizer"]}
-    both_off = memory.model_state_bytes("zero3_offload", psi, world, "bf16")
+    both_off = formulas.model_state_bytes(Engine.parse("zero3_offload"), psi, world, "bf16")
     assert both_off.gpu_bytes == 0 and both_off.cpu_bytes == kept.total_bytes
-    fsdp_off = memory.model_state_bytes("fsdp2_offload", psi, world, "bf16")
-    fsdp_kept = memory.model_state_bytes("fsdp2", psi, world, "bf16")
+    fsdp_off = formulas.model_state_bytes(Engine.parse("fsdp2_offload"), psi, world, "bf16")
+    fsdp_kept = formulas.model_state_bytes(Engine.parse("fsdp2"), psi, world, "bf16")
     assert fsdp_off.gpu_bytes == 0 and fsdp_off.cpu_bytes == fsdp_kept.total_bytes
-    zero2_off = memory.model_state_bytes("zero2", psi, world, "bf16", offload_optimizer=True)
+    zero2_off = formulas.model_state_bytes(Engine.parse("zero2"), psi, world, "bf16", offload_optimizer=True)
     assert zero2_off.gpu == {"params": 2 * psi, "grads": 0, "optimizer": 0}  # whole bf16 params stay on every GPU
 
 
 def test_offload_flags_apply_where_each_engine_can_offload():
-    setup = memory.Setup(num_params=8_000_000, num_gpus=8, offload_optimizer=True, formula="paper")
-    cpu = {r.engine: r.model_states.cpu_bytes for r in memory.estimate(setup)}
+    setup = estimator.Setup(num_params=8_000_000, num_gpus=8, offload_optimizer=True, formula="paper")
+    cpu = {r.engine.name: r.model_states.cpu_bytes for r in estimator.estimate(setup)}
     assert cpu["ddp"] == 0 and cpu["fsdp2"] == 0  # DDP cannot offload; FSDP2 offloads only with its params
     assert cpu["zero1"] == 12 * 8_000_000 // 8 and cpu["zero3"] == 14 * 8_000_000 // 8
 
@@ -119,20 +124,21 @@ def test_offload_flags_apply_where_each_engine_can_offload():
 ])
 def test_offload_an_engine_cannot_do_is_a_user_error(engine, kwargs):
     with pytest.raises(UserError, match="offload"):
-        memory.model_state_bytes(engine, 1000, 2, "bf16", **kwargs)
+        formulas.model_state_bytes(Engine.parse(engine), 1000, 2, "bf16", **kwargs)
 
 
 def test_sgd_keeps_only_a_master_copy_where_the_engine_has_one():
     psi, world = 8_000_000, 8
-    assert memory.model_state_bytes("zero3", psi, world, "bf16", optimizer="sgd").gpu["optimizer"] == 4 * psi // world
-    assert memory.model_state_bytes("fsdp2", psi, world, "bf16", optimizer="sgd").gpu["optimizer"] == 0
-    assert memory.model_state_bytes("ddp", psi, world, "no", optimizer="sgd").gpu_bytes == 8 * psi
+    sgd = formulas.model_state_bytes(Engine.parse("zero3"), psi, world, "bf16", optimizer="sgd")
+    assert sgd.gpu["optimizer"] == 4 * psi // world
+    assert formulas.model_state_bytes(Engine.parse("fsdp2"), psi, world, "bf16", optimizer="sgd").gpu["optimizer"] == 0
+    assert formulas.model_state_bytes(Engine.parse("ddp"), psi, world, "no", optimizer="sgd").gpu_bytes == 8 * psi
 
 
 def test_hsdp_divides_fsdp2_by_the_shard_group_not_the_world():
-    setup = memory.Setup(num_params=7 * 10**9, num_gpus=8, num_nodes=4, formula="paper")
-    flat = {r.engine: r.model_states.gpu_bytes for r in memory.estimate(setup)}
-    hsdp = {r.engine: r.model_states.gpu_bytes for r in memory.estimate(memory.Setup(**{**setup.__dict__,
+    setup = estimator.Setup(num_params=7 * 10**9, num_gpus=8, num_nodes=4, formula="paper")
+    flat = {r.engine.name: r.model_states.gpu_bytes for r in estimator.estimate(setup)}
+    hsdp = {r.engine.name: r.model_states.gpu_bytes for r in estimator.estimate(estimator.Setup(**{**setup.__dict__,
                                                                                          "hsdp": True}))}
     assert flat["fsdp2"] == 16 * 7 * 10**9 // 32
     assert hsdp["fsdp2"] == hsdp["fsdp2_zero2"] == 16 * 7 * 10**9 // 8
@@ -149,7 +155,7 @@ def test_model_config_counts_exactly_the_parameters_of_the_model(tmp_path, tied)
     model = LlamaForCausalLM(config)
     expected = sum(p.numel() for p in model.parameters())
     for source in (tmp_path, tmp_path / "config.json"):
-        arch = memory.architecture_from_model(str(source))
+        arch = estimator.architecture_from_model(str(source))
         assert arch.num_params == expected
     assert arch.block_params == sum(p.numel() for p in model.model.layers[0].parameters())
     assert arch.embed_params == (0 if tied else 500 * 64)
@@ -160,31 +166,31 @@ def test_model_config_counts_exactly_the_parameters_of_the_model(tmp_path, tied)
 def test_a_missing_model_path_is_a_user_error(tmp_path):
     for missing in (tmp_path / "nope", tmp_path / "nope" / "config.json"):
         with pytest.raises(UserError, match="does not exist"):
-            memory.architecture_from_model(str(missing))
+            estimator.architecture_from_model(str(missing))
 
 
 def test_activations_follow_korthikanti_et_al():
     s, b, h, a, layers, vocab = 1024, 2, 512, 8, 4, 1000
-    arch = memory.architecture_from_sizes(10**8, h, layers, vocab, num_heads=a)  # GPT MLP (4h, not gated)
+    arch = formulas.architecture_from_sizes(10**8, h, layers, vocab, num_heads=a)  # GPT MLP (4h, not gated)
     logits = s * b * vocab * (2 + 4)
     kwargs = {"seq_len": s, "micro_batch_size": b, "activation_checkpointing": False}
-    eager = memory.activation_bytes(arch, attention="eager", **kwargs)
+    eager = formulas.activation_bytes(arch, attention="eager", **kwargs)
     assert eager == layers * s * b * h * (34 + 5 * a * s // h) + logits
-    assert memory.activation_bytes(arch, attention="sdpa", **kwargs) == layers * s * b * h * 34 + logits
-    checkpointed = memory.activation_bytes(arch, **{**kwargs, "activation_checkpointing": True})
+    assert formulas.activation_bytes(arch, attention="sdpa", **kwargs) == layers * s * b * h * 34 + logits
+    checkpointed = formulas.activation_bytes(arch, **{**kwargs, "activation_checkpointing": True})
     assert checkpointed == layers * 2 * s * b * h + s * b * h * 34 + logits
-    assert memory.activation_bytes(arch, dtype="fp32", **kwargs) == 2 * layers * s * b * h * 34 + s * b * vocab * 8
+    assert formulas.activation_bytes(arch, dtype="fp32", **kwargs) == 2 * layers * s * b * h * 34 + s * b * vocab * 8
 
 
 def test_fsdp2_without_reshard_keeps_the_whole_model_gathered():
-    arch = memory.architecture_from_sizes(7 * 10**9, **LLAMA_7B)
-    zero2_like = memory.transient_bytes("fsdp2_zero2", arch)
-    zero3_like = memory.transient_bytes("fsdp2", arch)
+    arch = formulas.architecture_from_sizes(7 * 10**9, **LLAMA_7B)
+    zero2_like = formulas.transient_bytes(Engine.parse("fsdp2_zero2"), arch)
+    zero3_like = formulas.transient_bytes(Engine.parse("fsdp2"), arch)
     assert zero2_like >= 2 * 7 * 10**9 > 5 * zero3_like
 
 
 def test_params_alone_give_no_activations_and_say_why(capsys):
-    [result] = memory.estimate(memory.Setup(num_params=7 * 10**9), ("zero3",))
+    [result] = estimator.estimate(estimator.Setup(num_params=7 * 10**9), (Engine.parse("zero3"),))
     assert result.activation_bytes is None and result.total_bytes is None
     assert memory.main(["--params", "7B"]) == 0
     assert "activations and transients need the architecture: pass --model" in capsys.readouterr().out
@@ -193,20 +199,20 @@ def test_params_alone_give_no_activations_and_say_why(capsys):
 
 
 def _pick(params, num_gpus, gpu_memory, **setup):
-    arch = memory.architecture_from_sizes(params, **LLAMA_7B)
-    results = memory.estimate(memory.Setup(num_params=params, num_gpus=num_gpus, arch=arch, **setup))
-    return memory.cheapest_fit(results, memory.parse_bytes(gpu_memory)), {r.engine: r for r in results}
+    arch = formulas.architecture_from_sizes(params, **LLAMA_7B)
+    results = estimator.estimate(estimator.Setup(num_params=params, num_gpus=num_gpus, arch=arch, **setup))
+    return estimator.cheapest_fit(results, memory.parse_bytes(gpu_memory)), {r.engine.name: r for r in results}
 
 
 def test_gpu_memory_picks_the_cheapest_engine_that_fits():
     chosen, results = _pick(7 * 10**9, 8, "80GB", seq_len=2048, micro_batch_size=1, activation_checkpointing=True)
-    assert chosen.engine == "zero1"
-    assert not memory.fits(results["ddp"], 80 * 10**9) and memory.fits(results["zero1"], 80 * 10**9)
+    assert chosen.engine.name == "zero1"
+    assert not estimator.fits(results["ddp"], 80 * 10**9) and estimator.fits(results["zero1"], 80 * 10**9)
     # 13B on 8 x 40 GB: ZeRO-1/2 keep whole 16-bit params, fsdp2_zero2 gathers the whole model: ZeRO-3 is first.
     chosen, results = _pick(13 * 10**9, 8, "40GB", activation_checkpointing=True)
-    assert chosen.engine == "zero3" and not memory.fits(results["fsdp2_zero2"], 40 * 10**9)
+    assert chosen.engine.name == "zero3" and not estimator.fits(results["fsdp2_zero2"], 40 * 10**9)
     chosen, _ = _pick(70 * 10**9, 8, "80GB", activation_checkpointing=True)
-    assert chosen.engine == "zero3_offload"
+    assert chosen.engine.name == "zero3_offload"
 
 
 def test_nothing_fits_says_what_would(capsys):
@@ -220,12 +226,13 @@ def test_nothing_fits_says_what_would(capsys):
 
 
 def test_launch_command_for_one_and_several_nodes():
-    assert memory.launch_command("zero1", 8) == ("accelerate launch --config_file accelerate_configs/zero1.yaml "
+    assert estimator.launch_command(Engine.parse("zero1"), 8) == (
+        "accelerate launch --config_file accelerate_configs/zero1.yaml "
                                                  "--num_processes 8 recipes/llama_zero3.py")
-    multi = memory.launch_command("fsdp2", 8, num_nodes=4, hsdp=True)
+    multi = estimator.launch_command(Engine.parse("fsdp2"), 8, num_nodes=4, hsdp=True)
     assert "--num_processes 32 --num_machines 4 --machine_rank <0..3>" in multi
     assert "--parallelism_config_dp_replicate_size 4 --parallelism_config_dp_shard_size 8" in multi
-    for engine in memory.ENGINES:
+    for engine in estimator.ENGINES:
         assert (REPO / "accelerate_configs" / f"{engine}.yaml").is_file()
 
 
@@ -269,7 +276,7 @@ def test_cli_prints_the_zero_table():
     assert proc.returncode == 0, proc.stderr
     assert "Per-GPU memory in GB (1 GB = 1e9 bytes)" in proc.stdout
     rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if line.split()[:1] and
-            line.split()[0] in memory.ENGINES}
+            line.split()[0] in [e.name for e in estimator.ENGINES]}
     assert [rows[e][4] for e in PAPER_ENGINES] == ["112.00", "38.50", "26.25", "14.00"]
 
 
@@ -277,52 +284,55 @@ def test_cli_json_matches_the_functions():
     proc = _cli("--params", "7B", "--num_gpus", "8", "--offload_optimizer", "--json")
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
-    assert [row["engine"] for row in data["engines"]] == list(memory.ENGINES)
-    setup = memory.Setup(num_params=7 * 10**9, num_gpus=8, offload_optimizer=True)
-    for row, result in zip(data["engines"], memory.estimate(setup), strict=True):
+    assert [row["engine"] for row in data["engines"]] == [e.name for e in estimator.ENGINES]
+    setup = estimator.Setup(num_params=7 * 10**9, num_gpus=8, offload_optimizer=True)
+    for row, result in zip(data["engines"], estimator.estimate(setup), strict=True):
         assert row["model_state_bytes"] == result.model_states.gpu_bytes
         assert row["cpu_bytes"] == result.model_states.cpu_bytes
-        assert row["model_state_bytes"] + row["cpu_bytes"] == memory.expected_model_state_bytes(
-            row["engine"], 7 * 10**9, 8, "bf16")
+        assert row["model_state_bytes"] + row["cpu_bytes"] == formulas.expected_model_state_bytes(
+            Engine.parse(row["engine"]), 7 * 10**9, 8, "bf16")
 
 
 def test_cli_error_exits_2():
     proc = _cli("--params", "7B", "--engines", "zero4")
     assert proc.returncode == 2 and proc.stdout == ""
-    expected = f"error: unknown engine 'zero4'; use one of: {', '.join(memory.ENGINES)}."
+    expected = f"error: unknown engine 'zero4'; use one of: {', '.join(e.name for e in estimator.ENGINES)}."
     assert proc.stderr.strip().splitlines() == [expected]
 
 
 def test_deepspeed_buckets_follow_the_hidden_size_with_a_floor_and_keep_a_users_setting():
-    """What zero_utils.accelerator writes into DeepSpeed's config before `prepare` (the estimator uses the same sizes):
+    """What zero_utils.deepspeed_setup writes into DeepSpeed's config before `prepare` (the estimator uses the same
+    sizes):
     accelerate's "auto" sizes from hidden 2560 up, the 25 MiB floor below, and a size the user's own DeepSpeed
     config file sets is left alone."""
     from types import SimpleNamespace
 
-    from zero_utils import accelerator as setup
+    from zero_utils import deepspeed_setup
 
     floor = 25 * 2**20 // 4
-    assert setup.deepspeed_bucket_elements(4096) == {
+    assert formulas.deepspeed_bucket_elements(4096) == {
         "reduce_bucket_size": 4096**2, "stage3_prefetch_bucket_size": int(0.9 * 4096**2),
         "stage3_param_persistence_threshold": 40960}
-    assert setup.deepspeed_bucket_elements(256) == {
+    assert formulas.deepspeed_bucket_elements(256) == {
         "reduce_bucket_size": floor, "stage3_prefetch_bucket_size": floor, "stage3_param_persistence_threshold": 2560}
 
     zero_config = {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": 1234,
                    "stage3_param_persistence_threshold": "auto"}
     plugin = SimpleNamespace(deepspeed_config={"zero_optimization": zero_config})
     accelerator = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin))
-    written = setup.size_deepspeed_buckets(accelerator, SimpleNamespace(config=SimpleNamespace(hidden_size=256)))
+    model = SimpleNamespace(config=SimpleNamespace(hidden_size=256))
+    written = deepspeed_setup.size_deepspeed_buckets(accelerator, model)
     assert written == {"reduce_bucket_size": floor, "stage3_param_persistence_threshold": 2560}
     assert zero_config["stage3_prefetch_bucket_size"] == 1234
     no_deepspeed = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=None))
-    assert setup.size_deepspeed_buckets(no_deepspeed, SimpleNamespace(config=SimpleNamespace(hidden_size=256))) == {}
+    assert deepspeed_setup.size_deepspeed_buckets(no_deepspeed, model) == {}
 
     # the estimate's ZeRO-3 transients: live-parameter bound (here the model) + the two floored buckets (bounded by
     # the model) + persistent params
-    arch = memory.architecture_from_sizes(3_348_736, hidden_size=256, num_layers=4, vocab_size=2000)
+    arch = formulas.architecture_from_sizes(3_348_736, hidden_size=256, num_layers=4, vocab_size=2000)
     psi = arch.num_params
-    assert memory.transient_bytes("zero3", arch, dtype="fp32") == 4 * (psi + min(floor, psi) + min(floor, psi)
+    assert formulas.transient_bytes(Engine.parse("zero3"), arch, dtype="fp32") == 4 * (psi + min(floor, psi)
+                                                                          + min(floor, psi)
                                                                        + arch.persistent_params)
 
 
@@ -336,13 +346,13 @@ def test_gpu_peaks_are_allocated_and_reserved_since_the_reset(monkeypatch):
     monkeypatch.setattr(torch.cuda, "max_memory_reserved",
                         lambda device=None: calls.append(("reserved", device)) or 4 * 2**30)
     cuda = torch.device("cuda", 1)
-    measure.reset_peak_memory(cuda)
-    assert measure.peak_memory(cuda) == {"peak_mem_bytes": 3 * 2**30, "peak_reserved_bytes": 4 * 2**30}
+    measurement.reset_peak_memory(cuda)
+    assert measurement.peak_memory(cuda) == {"peak_mem_bytes": 3 * 2**30, "peak_reserved_bytes": 4 * 2**30}
     assert calls == [("reset", cuda), ("allocated", cuda), ("reserved", cuda)]
-    assert "max_memory_reserved" in measure.peak_memory_measured(cuda)
+    assert "max_memory_reserved" in measurement.peak_memory_measured(cuda)
     cpu = torch.device("cpu")
-    measure.reset_peak_memory(cpu)  # nothing to reset: the RSS high-water mark of the process
-    assert list(measure.peak_memory(cpu)) == ["peak_mem_bytes"] and "RSS" in measure.peak_memory_measured(cpu)
+    measurement.reset_peak_memory(cpu)  # nothing to reset: the RSS high-water mark of the process
+    assert list(measurement.peak_memory(cpu)) == ["peak_mem_bytes"] and "RSS" in measurement.peak_memory_measured(cpu)
 
 
 def test_summary_table_shows_the_ranks_when_they_differ_by_more_than_5_percent():
@@ -362,4 +372,4 @@ def test_summary_table_shows_the_ranks_when_they_differ_by_more_than_5_percent()
     gpu = {**even, "peak_reserved_bytes": 130_000_000, "peak_reserved_bytes_per_rank": [100_000_000, 130_000_000]}
     rows = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in tracking.summary_table(gpu).splitlines())
     assert rows["peak reserved per rank (max)"] == "130.0 MB (ranks differ by 23%: rank 0 100.0 MB, rank 1 130.0 MB)"
-    assert measure.rank_spread([100, 110]) == pytest.approx(10 / 110) and measure.rank_spread(None) is None
+    assert measurement.rank_spread([100, 110]) == pytest.approx(10 / 110) and measurement.rank_spread(None) is None

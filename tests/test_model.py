@@ -54,6 +54,15 @@ def test_unquantized_non_main_rank_still_waits_for_rank_0_on_meta(saved_model):
     assert all(p.is_meta for p in model.parameters())
 
 
+def test_qlora_needs_a_cuda_gpu_and_is_off_by_default(monkeypatch):
+    from zero_utils.qlora import quantization_config
+
+    assert quantization_config(False) is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UserError, match="--qlora needs a CUDA GPU"):
+        quantization_config(True)
+
+
 def test_qlora_of_a_config_only_model_is_refused():
     with pytest.raises(UserError, match="--qlora quantizes pretrained weights, but --model .* holds only a config"):
         load_causal_lm(BUNDLED_MODEL, accelerator=fsdp2_rank(True), quantization_config=bnb_4bit())

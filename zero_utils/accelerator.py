@@ -30,19 +30,14 @@ from zero_utils.errors import UserError
 logger = logging.getLogger(__name__)
 
 # DeepSpeed keys whose built-in defaults are sized for big models (a 5e8-element ZeRO-3 reduce bucket is 2 GB per
-# rank whatever the model): "auto" here, then `size_deepspeed_buckets` (or else accelerate's `prepare`) sizes them
-# from the model. Values are the ZeRO stages each key applies to.
+# rank whatever the model): "auto" here, then `deepspeed_setup.size_deepspeed_buckets` (or else accelerate's
+# `prepare`) sizes them from the model. Values are the ZeRO stages each key applies to.
 _DEEPSPEED_AUTO_BUCKETS = {
     "reduce_bucket_size": (1, 2, 3),
     "stage3_prefetch_bucket_size": (3,),
     "stage3_param_persistence_threshold": (3,),
 }
-# accelerate's "auto" sizes (reduce h^2, prefetch 0.9 h^2 elements) make a small model pay one synchronising
-# collective per weight matrix: at hidden 256, ZeRO-3 ran at 0.76x the Trainer's tokens/s (which gets DeepSpeed's
-# 5e8 defaults), and 1.03x / 0.99x (two runs) with this floor (docs/BENCHMARKS.md, section 4). The floor is
-# DDP's default gradient bucket (bucket_cap_mb=25) in fp32 elements; from hidden 2560 up, h^2 exceeds it and
-# "auto" applies unchanged.
-MIN_BUCKET_ELEMENTS = 25 * 2**20 // 4
+
 
 
 def _launch_env() -> dict:
@@ -57,13 +52,13 @@ def _launch_env() -> dict:
 
 
 def requested_engine_family() -> str:
-    """What the launch asked for, read from the environment `accelerate launch` exports: 'fsdp', 'deepspeed',
-    'ddp' (several processes, no engine named) or 'single'."""
+    """The engine family (`Engine.family`: one of `engine.FAMILIES`) the launch asked for, read from the environment
+    `accelerate launch` exports: 'deepspeed', 'fsdp2', 'ddp' (several processes, no engine named) or 'single'."""
     launch = _launch_env()
     if launch["deepspeed"]:
         return "deepspeed"
     if launch["fsdp"]:
-        return "fsdp"
+        return "fsdp2"
     return "ddp" if launch["world_size"] > 1 else "single"
 
 
@@ -97,7 +92,7 @@ def build_accelerator(*, per_device_batch_size: int, gradient_accumulation_steps
 
     launch = _launch_env()
     family = requested_engine_family()
-    if family == "fsdp" and launch["fsdp_version"] != 2:
+    if family == "fsdp2" and launch["fsdp_version"] != 2:
         raise UserError("the accelerate config asks for FSDP version 1; these recipes use FSDP2: set fsdp_version: 2.")
     if family == "deepspeed":
         _check_no_duplicate_setting("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "--gradient_accumulation_steps",
@@ -115,7 +110,7 @@ def build_accelerator(*, per_device_batch_size: int, gradient_accumulation_steps
     if on_cpu and launch["under_launcher"]:
         # [CPU] accelerate only selects FSDP/DDP for accelerator devices; initialise gloo ourselves and tell the
         # shared state which branch to take (verified against accelerate 1.15; a test fails if this changes).
-        if family == "fsdp":
+        if family == "fsdp2":
             PartialState(backend="gloo", timeout=timeout)
             PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
         elif family == "ddp":
@@ -228,35 +223,6 @@ def _configure_deepspeed(accelerator, per_device_batch_size, gradient_accumulati
             config["zero_optimization"].setdefault(key, "auto")
 
 
-def deepspeed_bucket_elements(hidden_size: int) -> dict[str, int]:
-    """DeepSpeed ZeRO bucket sizes, in elements, for a model of hidden size `hidden_size` (h): accelerate's "auto"
-    values (reduce bucket h^2, ZeRO-3 prefetch bucket 0.9 h^2, ZeRO-3 persistence threshold 10 h) with the two
-    communication buckets raised to at least MIN_BUCKET_ELEMENTS (6.55M). Keys are DeepSpeed `zero_optimization`
-    keys. zero_utils.memory's estimate uses the same sizes."""
-    h = hidden_size
-    return {"reduce_bucket_size": max(h * h, MIN_BUCKET_ELEMENTS),
-            "stage3_prefetch_bucket_size": max(int(0.9 * h * h), MIN_BUCKET_ELEMENTS),
-            "stage3_param_persistence_threshold": 10 * h}
-
-
-def size_deepspeed_buckets(accelerator, model) -> dict[str, int]:
-    """DeepSpeed ZeRO-1/2/3: write `deepspeed_bucket_elements` for `model` into the DeepSpeed config, in place of
-    the "auto" values `build_accelerator` left there; call it before `accelerator.prepare`. A size the user's own
-    DeepSpeed config file sets is kept. Returns what it wrote (empty under other engines, or when the model config
-    has no hidden size: accelerate then resolves "auto" or names the missing size itself)."""
-    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-    model_config = getattr(model, "config", None)
-    hidden_sizes = getattr(model_config, "hidden_sizes", None)  # same lookup as accelerate's "auto"
-    hidden_size = max(hidden_sizes) if hidden_sizes else getattr(model_config, "hidden_size", None)
-    if plugin is None or not hidden_size:
-        return {}
-    zero_config = plugin.deepspeed_config["zero_optimization"]
-    written = {key: value for key, value in deepspeed_bucket_elements(hidden_size).items()
-               if zero_config.get(key) == "auto"}
-    zero_config.update(written)
-    return written
-
-
 def _adapt_fsdp_offload_for_cpu(accelerator) -> None:
     from torch.distributed.fsdp import CPUOffloadPolicy
 
@@ -279,7 +245,7 @@ def check_launch(accelerator) -> None:
 
     launch = _launch_env()
     family = requested_engine_family()
-    expected_type = {"fsdp": DistributedType.FSDP, "deepspeed": DistributedType.DEEPSPEED}.get(family)
+    expected_type = {"fsdp2": DistributedType.FSDP, "deepspeed": DistributedType.DEEPSPEED}.get(family)
     problems = []
     if accelerator.num_processes != launch["world_size"]:
         problems.append(f"{accelerator.num_processes} process(es) instead of the launched {launch['world_size']}")

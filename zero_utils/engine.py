@@ -3,7 +3,8 @@
 The accelerate YAML decides the engine; `Engine.of(accelerator)` reads what actually runs from the Accelerator's
 state (never from the YAML's file name), and `Engine.parse(name)` reads the names the memory estimator and our
 checkpoints use. Code asks an `Engine` what it needs (`engine.is_deepspeed`, `engine.shards_params`,
-`engine.checkpoint_storage`) instead of matching name prefixes.
+`engine.zero_stage`) instead of matching name prefixes; it is the only engine vocabulary of zero_utils (the memory
+estimator's engines and `accelerate_configs/<engine.name>.yaml` included).
 
     name            family     ZeRO stage  what each rank holds
     single          single     0           everything (one process)
@@ -72,17 +73,6 @@ class Engine:
     def shards_params(self) -> bool:
         """Whether a rank holds only a shard of each parameter between steps (ZeRO-3, every FSDP2 variant)."""
         return self.is_fsdp2 or (self.is_deepspeed and self.zero_stage == 3)
-
-    @property
-    def checkpoint_storage(self) -> str:
-        """How its checkpoints are stored: 'deepspeed' (the engine's own format) or 'dcp'
-        (torch.distributed.checkpoint: DDP, FSDP2, single process)."""
-        return "deepspeed" if self.is_deepspeed else "dcp"
-
-    @property
-    def supports_async_save(self) -> bool:
-        """DCP's background save exists for DCP storage only (DeepSpeed writes its own files synchronously)."""
-        return self.checkpoint_storage == "dcp"
 
     @classmethod
     def parse(cls, name: str) -> Engine:

@@ -8,13 +8,13 @@ and the model's greedy answer to a prompt once trained (`greedy_answer`, on ever
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import torch
 
-from zero_utils.data import render_prompt
+from zero_utils.deepspeed_setup import zero3_init_disabled
 from zero_utils.errors import UserError
+from zero_utils.sft_examples import render_prompt
 from zero_utils.wrapping import reshard_after_inference
 
 BUNDLED_MODEL = str(Path(__file__).resolve().parent / "assets" / "tiny-llama")
@@ -106,74 +106,6 @@ def load_causal_lm(name_or_path: str, *, accelerator=None, attn_implementation: 
                                                 trust_remote_code=trust_remote_code, **kwargs)
 
 
-def restore_fp32_master_weights(model, name_or_path: str) -> int:
-    """[DeepSpeed, bf16/fp16] Set the fp32 master copy of every trainable parameter from the checkpoint's own fp32
-    weights; call it right after `accelerator.prepare`.
-
-    DeepSpeed builds its fp32 master from the 16-bit weights it casts the model to (ZeRO-3 with `zero.Init`
-    already at load time), so an fp32 checkpoint would start training from bf16-rounded weights while FSDP2 and
-    DDP start from the exact ones. The safetensors files are read one tensor at a time; a ZeRO-3 rank copies its
-    own partition (`deepspeed.utils.safe_set_local_fp32_param`, padded like DeepSpeed's partition), a ZeRO-1/2 rank
-    its fragment (`safe_set_full_fp32_param`). Tensors stored in 16 bits are skipped: their master is exact. Returns
-    how many parameters were set (0 for a config-only folder). Engines: DeepSpeed ZeRO-1/2/3.
-    """
-    import torch.distributed as dist
-    from deepspeed.utils import safe_set_full_fp32_param, safe_set_local_fp32_param
-    from safetensors import safe_open
-
-    files = _safetensors_files(name_or_path)
-    module = getattr(model, "module", model)
-    restored = 0
-    for path, keys in files.items():
-        with safe_open(str(path), framework="pt") as f:
-            for name, param in module.named_parameters():
-                if name not in keys or not param.requires_grad or f.get_slice(name).get_dtype() != "F32":
-                    continue
-                value = f.get_tensor(name)
-                if hasattr(param, "ds_id"):  # [ZeRO-3] this rank's partition of the flattened tensor, zero-padded
-                    size = param.ds_tensor.numel()
-                    start = size * dist.get_rank(group=param.ds_process_group)
-                    local = torch.zeros(size, dtype=torch.float32)
-                    piece = value.flatten()[start:start + size]
-                    local[:piece.numel()] = piece
-                    safe_set_local_fp32_param(param, local)
-                else:  # [ZeRO-1/2] the fragment of the flat fp32 partition this rank holds, if any
-                    safe_set_full_fp32_param(param, value)
-                restored += 1
-    return restored
-
-
-def _safetensors_files(name_or_path: str) -> dict:
-    """{path of a safetensors file: set of tensor names in it} of a local folder or a cached Hub model; {} when
-    there are no weights (a config-only folder)."""
-    import json
-
-    from transformers.utils import cached_file
-
-    def find(filename):
-        local = Path(name_or_path).expanduser() / filename
-        if local.exists():
-            return local
-        if Path(name_or_path).expanduser().exists():
-            return None
-        found = cached_file(name_or_path, filename, _raise_exceptions_for_missing_entries=False)
-        return Path(found) if found else None
-
-    index = find("model.safetensors.index.json")
-    if index is not None:
-        files: dict = {}
-        for key, filename in json.loads(index.read_text())["weight_map"].items():
-            files.setdefault(index.parent / filename, set()).add(key)
-        return files
-    single = find("model.safetensors")
-    if single is None:
-        return {}
-    from safetensors import safe_open
-
-    with safe_open(str(single), framework="pt") as f:
-        return {single: set(f.keys())}
-
-
 def loads_on_rank0_only(accelerator) -> bool:
     """True when pretrained weights are read by rank 0 alone and broadcast at sharding time: an FSDP2 launch of
     more than one process whose YAML sets `fsdp_cpu_ram_efficient_loading: true`. Engines: FSDP2."""
@@ -203,45 +135,6 @@ def gather_trainable_state_dict(model, accelerator) -> dict:
             if accelerator.is_main_process:
                 state[name] = full
     return state
-
-
-def quantization_config(qlora: bool):
-    """The 4-bit (NF4) bitsandbytes config of QLoRA, or None. QLoRA needs a CUDA GPU and the bitsandbytes package:
-    anything else is a `UserError`. The 4-bit weights are stored as bf16 elements so FSDP2 and ZeRO-3 can shard
-    them. Not tested in CI (no GPU there)."""
-    if not qlora:
-        return None
-
-    if not torch.cuda.is_available():
-        raise UserError("--qlora needs a CUDA GPU (bitsandbytes 4-bit kernels); drop --qlora to train LoRA on this "
-                        "machine, or run on a GPU node.")
-    try:
-        import bitsandbytes  # noqa: F401
-    except ImportError as exc:
-        raise UserError("--qlora needs the bitsandbytes package: pip install bitsandbytes.") from exc
-    from transformers import BitsAndBytesConfig
-
-    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                              bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.bfloat16)
-
-
-@contextlib.contextmanager
-def zero3_init_disabled(accelerator):
-    """Context: build a model whole even under a ZeRO-3 launch: transformers wraps construction in `deepspeed.zero.Init`
-    whenever accelerate's DeepSpeed config is registered with it (accelerate 1.15's own
-    `zero3_init_context_manager(enable=False)` re-registers the same config, so it does not switch it off)."""
-    from transformers.integrations import deepspeed as hf_deepspeed
-
-    plugin = getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None)
-    registered = getattr(plugin, "dschf", None)
-    if registered is None:
-        yield
-        return
-    hf_deepspeed.unset_hf_deepspeed_config()
-    try:
-        yield
-    finally:
-        hf_deepspeed.set_hf_deepspeed_config(registered)
 
 
 # ---------------------------------------------------------------------------------------------- generation

@@ -9,7 +9,7 @@ Every engine-specific step of a recipe is here, so the recipe itself is the same
 - activation checkpointing (every engine: each block recomputed in backward), set before any engine wraps the blocks;
 - [FSDP2] `fully_shard` block by block, then the root (`zero_utils.wrapping.shard_model`), before the optimizer sees
   the parameters; a warning when a --fsdp_* wrapping choice was given to another engine, which ignores it;
-- [DeepSpeed] communication bucket sizes from the model's hidden size (`zero_utils.accelerator`);
+- [DeepSpeed] communication bucket sizes from the model's hidden size (`zero_utils.deepspeed_setup`);
 - after prepare, [DeepSpeed, 16-bit] the fp32 master weights set from the checkpoint's own fp32 weights.
 Engines: all.
 """
@@ -18,9 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from zero_utils import accelerator as launch
-from zero_utils import model as models
-from zero_utils import wrapping
+from zero_utils import deepspeed_setup, wrapping
 from zero_utils.engine import Engine
 
 
@@ -48,13 +46,13 @@ def parallelize(model, accelerator, engine: Engine, *, activation_checkpointing:
         changed = [f"--fsdp_{f.name}" for f in fields(fsdp) if getattr(fsdp, f.name) != f.default]
         accelerator.print(f"warning: {', '.join(changed)} only change FSDP2's wrapping: no effect under {engine}.")
     if engine.is_deepspeed:  # [DeepSpeed] communication buckets sized from the model's hidden size
-        launch.size_deepspeed_buckets(accelerator, model)
+        deepspeed_setup.size_deepspeed_buckets(accelerator, model)
 
 
 def after_prepare(model, accelerator, engine: Engine, model_name: str) -> None:
     """What must follow `accelerator.prepare`: [DeepSpeed, bf16/fp16] set the fp32 master weights from the
-    checkpoint's own fp32 weights (`model.restore_fp32_master_weights`; DeepSpeed builds them from the 16-bit
+    checkpoint's own fp32 weights (`deepspeed_setup.restore_fp32_master_weights`; DeepSpeed builds them from the 16-bit
     cast). Nothing to do under the other engines or in fp32. Every rank must call it."""
     if engine.is_deepspeed and accelerator.mixed_precision != "no":
-        models.restore_fp32_master_weights(model, model_name)
+        deepspeed_setup.restore_fp32_master_weights(model, model_name)
 

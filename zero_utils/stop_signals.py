@@ -1,7 +1,7 @@
 """Stop signals: SIGTERM (preemption), SIGINT (Ctrl-C) and SIGUSR1 (SLURM's --signal warning) become a request to
 stop at the next step boundary: the checkpoint manager (zero_utils.checkpoint.Checkpointer.save) saves and tells
 the loop to end. Catching is local to a process; the ranks agree on a stop through the step's one collective
-(zero_utils.measure.RunMeasurements.end_step).
+(zero_utils.measurement.RunMeasurements.end_step).
 
 torchrun forwards a signal sent to the launcher to every worker and kills them after its 30 s grace period, so
 the save that follows must fit in that time (docs/ARCHITECTURE.md). Bottom layer: no zero_utils imports.

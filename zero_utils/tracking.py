@@ -12,7 +12,7 @@ import netrc
 import os
 from pathlib import Path
 
-from zero_utils.measure import rank_spread
+from zero_utils.measurement import rank_spread
 from zero_utils.versions import software_versions
 
 
@@ -78,7 +78,7 @@ class RunTracker:
         return None
 
     def log_step(self, result, eval_loss: float | None = None) -> None:
-        """Append one optimizer step's metrics (`measure.StepResult.metrics`, and `eval_loss` when evaluated) to
+        """Append one optimizer step's metrics (`measurement.StepResult.metrics`, and `eval_loss` when evaluated) to
         metrics.jsonl and send them to the trackers."""
         metrics = {**result.metrics(), **({"eval_loss": eval_loss} if eval_loss is not None else {})}
         if self.trackers:
@@ -115,7 +115,7 @@ RANK_SPREAD_SHOWN = 0.05  # the summary table names each rank's figure when rank
 
 def summary_table(summary: dict) -> str:
     """The end-of-run table a person reads: engine, world size, steps, losses, tokens/s, memory (MB = 1e6 bytes).
-    A memory row whose ranks differ by more than 5% (`measure.rank_spread` of its `*_per_rank` list) also shows
+    A memory row whose ranks differ by more than 5% (`measurement.rank_spread` of its `*_per_rank` list) also shows
     the smallest and largest rank: an uneven shard or a rank that holds more than its share stands out."""
     def fmt(value, spec):
         return format(value, spec) if isinstance(value, (int, float)) else "n/a"

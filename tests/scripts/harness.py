@@ -50,7 +50,7 @@ def _attach_probes() -> None:
     (TrainingData: its rows and `info`; RunMeasurements: the accelerator, the prepared model and optimizer), and
     `TrainingData.rows_of_step` is the one place a step's rows are chosen. Subclasses record them; no function's
     positional arguments are unpacked here."""
-    from zero_utils import checkpoint, data, measure, model, tracking
+    from zero_utils import checkpoint_storage, data, measurement, model, tracking
 
     load_tokenizer = model.load_tokenizer
 
@@ -68,14 +68,14 @@ def _attach_probes() -> None:
             _seen.setdefault("first_step_rows", sum(rows, []))
             return rows
 
-    class RecordedMeasurements(measure.RunMeasurements):
+    class RecordedMeasurements(measurement.RunMeasurements):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             _seen["meter"] = self
 
     model.load_tokenizer = recorded_tokenizer
     data.TrainingData = RecordedData
-    measure.RunMeasurements = RecordedMeasurements
+    measurement.RunMeasurements = RecordedMeasurements
     write_summary = tracking.RunTracker.write_summary
 
     def write_summary_with_evidence(tracker, summary):
@@ -84,13 +84,13 @@ def _attach_probes() -> None:
     tracking.RunTracker.write_summary = write_summary_with_evidence
     kill = os.environ.get("ZERO_RECIPES_HARNESS_KILL_RANK_DURING_SAVE")
     if kill:
-        class DyingSave(checkpoint.PendingSave):  # a save whose shards are written, not yet completed
+        class DyingSave(checkpoint_storage.PendingSave):  # a save whose shards are written, not yet completed
             def finish(self, *args, **kwargs):
                 if kill == f"{self.accelerator.process_index}:{self.step}":
                     os.kill(os.getpid(), 9)
                 return super().finish(*args, **kwargs)
 
-        checkpoint.PendingSave = DyingSave
+        checkpoint_storage.PendingSave = DyingSave
 
 
 def _evidence() -> dict:
@@ -118,13 +118,14 @@ def _evidence() -> dict:
 
 
 def main() -> None:
-    from zero_utils import checkpoint, cli, data
+    from zero_utils import checkpoint_export, cli, data
 
     if os.environ.get("ZERO_RECIPES_HARNESS_SLOW_PREP_S"):
         data.tokenize_example = _slow_first_call(data.tokenize_example,
                                                  float(os.environ["ZERO_RECIPES_HARNESS_SLOW_PREP_S"]))
     if os.environ.get("ZERO_RECIPES_HARNESS_SLOW_EXPORT_S"):
-        checkpoint.export = _slow_first_call(checkpoint.export, float(os.environ["ZERO_RECIPES_HARNESS_SLOW_EXPORT_S"]))
+        checkpoint_export.export = _slow_first_call(checkpoint_export.export,
+                                                    float(os.environ["ZERO_RECIPES_HARNESS_SLOW_EXPORT_S"]))
     if os.environ.get("ZERO_RECIPES_HARNESS_VARLEN_PROBE") == "1":
         import varlen_probe
 

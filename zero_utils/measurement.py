@@ -1,23 +1,25 @@
-"""What a run measures on itself, reported next to what the formulas predict (zero_utils.memory): model-state bytes
-per rank walked from the live tensors, device-memory peaks, bytes autograd saves for backward, step time and
-tokens/s. `RunMeasurements` is the one object a recipe holds for all of it. Units: bytes, seconds, tokens/s.
-Engines: all.
+"""Measurement: what a run measures on itself, reported next to what the formulas predict
+(zero_utils.memory_formulas): model-state bytes per rank walked from the live tensors, device-memory peaks, bytes
+autograd saves for backward, step time and tokens/s, and a checkpoint's disk use. `RunMeasurements` is the one
+object a recipe holds for all of it. Units: bytes, seconds, tokens/s. Engines: all.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import re
 import resource
 import statistics
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from zero_utils import distributed, errors, stop_signals
 from zero_utils.engine import Engine, shard_group_size
-from zero_utils.memory import _numel, expected_model_state_bytes
+from zero_utils.memory_formulas import expected_model_state_bytes, numel
 from zero_utils.optim import param_groups
 from zero_utils.wrapping import reshard_after_inference
 
@@ -65,7 +67,7 @@ class RunMeasurements:
     marks the step skipped; past `max_bad_steps` such steps it raises `errors.non_finite_loss`, naming
     `newest_checkpoint()` (the last good one) so that nothing is saved over it.
 
-    The expected model-state bytes are the formula's (`zero_utils.memory.expected_model_state_bytes`) for this engine,
+    The expected model-state bytes are the formula's (`memory_formulas.expected_model_state_bytes`) for this engine,
     world size, precision, the trainable parameters in the optimizer's groups (`optim.param_groups`, the split
     `build_adamw` makes) and the frozen ones (LoRA's base). Memory peaks count from construction (CUDA), so they
     show training, not loading. Model-state bytes are measured once, right after the innermost optimizer's first
@@ -85,7 +87,7 @@ class RunMeasurements:
                   for group in param_groups(module) if group]  # the optimizer's groups
         frozen = sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters() if not p.requires_grad)
         self.expected_model_state_bytes = expected_model_state_bytes(
-            engine, sum(map(_numel, (s for group in shapes for s in group))), accelerator.num_processes,
+            engine, sum(map(numel, (s for group in shapes for s in group))), accelerator.num_processes,
             accelerator.mixed_precision, param_groups=shapes, shard_group_size=shard_group_size(accelerator),
             frozen_params=frozen)  # a frozen base (LoRA) is held as parameters only
         self.bad_steps = 0
@@ -331,3 +333,16 @@ def innermost(optimizer):
     while hasattr(optimizer, "optimizer"):  # accelerate wrapper -> DeepSpeed ZeRO optimizer -> torch optimizer
         optimizer = optimizer.optimizer
     return optimizer
+
+
+def checkpoint_bytes(path: Path) -> dict:
+    """Disk use of a checkpoint folder, measured: total bytes and the largest per-rank share of its model/optimizer
+    files (DCP's `__<rank>_<n>.distcp`, DeepSpeed's `zero_pp_rank_<rank>_*`). Units: bytes. Engines: all."""
+    total = sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+    per_rank: dict[int, int] = {}
+    for f in Path(path).rglob("*"):
+        match = re.search(r"(?:__(\d+)_\d+\.distcp|zero_pp_rank_(\d+)_)", f.name)
+        if f.is_file() and match:
+            rank = int(match.group(1) or match.group(2))
+            per_rank[rank] = per_rank.get(rank, 0) + f.stat().st_size
+    return {"total": total, "max_per_rank": max(per_rank.values()) if per_rank else total}

@@ -1,0 +1,123 @@
+"""DeepSpeed's own steps around accelerate, one per moment of a run (the recipe reaches them through
+zero_utils.parallelize and zero_utils.model):
+
+- building the model: `zero3_init_disabled` builds it whole even under a ZeRO-3 launch (random init);
+- before `accelerator.prepare`: `size_deepspeed_buckets` writes the communication bucket sizes
+  (`memory_formulas.deepspeed_bucket_elements`) into DeepSpeed's config;
+- after `accelerator.prepare`: `restore_fp32_master_weights` sets the fp32 master from the checkpoint's fp32 weights.
+Engines: DeepSpeed ZeRO-1/2/3 (each is a no-op under the others).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+
+from zero_utils.memory_formulas import deepspeed_bucket_elements
+
+
+@contextlib.contextmanager
+def zero3_init_disabled(accelerator):
+    """Context: build a model whole even under a ZeRO-3 launch: transformers wraps construction in `deepspeed.zero.Init`
+    whenever accelerate's DeepSpeed config is registered with it (accelerate 1.15's own
+    `zero3_init_context_manager(enable=False)` re-registers the same config, so it does not switch it off)."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    plugin = getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None)
+    registered = getattr(plugin, "dschf", None)
+    if registered is None:
+        yield
+        return
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_deepspeed.set_hf_deepspeed_config(registered)
+
+
+def size_deepspeed_buckets(accelerator, model) -> dict[str, int]:
+    """DeepSpeed ZeRO-1/2/3: write `deepspeed_bucket_elements` for `model` into the DeepSpeed config, in place of
+    the "auto" values `build_accelerator` left there; call it before `accelerator.prepare`. A size the user's own
+    DeepSpeed config file sets is kept. Returns what it wrote (empty under other engines, or when the model config
+    has no hidden size: accelerate then resolves "auto" or names the missing size itself)."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    model_config = getattr(model, "config", None)
+    hidden_sizes = getattr(model_config, "hidden_sizes", None)  # same lookup as accelerate's "auto"
+    hidden_size = max(hidden_sizes) if hidden_sizes else getattr(model_config, "hidden_size", None)
+    if plugin is None or not hidden_size:
+        return {}
+    zero_config = plugin.deepspeed_config["zero_optimization"]
+    written = {key: value for key, value in deepspeed_bucket_elements(hidden_size).items()
+               if zero_config.get(key) == "auto"}
+    zero_config.update(written)
+    return written
+
+
+def restore_fp32_master_weights(model, name_or_path: str) -> int:
+    """[DeepSpeed, bf16/fp16] Set the fp32 master copy of every trainable parameter from the checkpoint's own fp32
+    weights; call it right after `accelerator.prepare`.
+
+    DeepSpeed builds its fp32 master from the 16-bit weights it casts the model to (ZeRO-3 with `zero.Init`
+    already at load time), so an fp32 checkpoint would start training from bf16-rounded weights while FSDP2 and
+    DDP start from the exact ones. The safetensors files are read one tensor at a time; a ZeRO-3 rank copies its
+    own partition (`deepspeed.utils.safe_set_local_fp32_param`, padded like DeepSpeed's partition), a ZeRO-1/2 rank
+    its fragment (`safe_set_full_fp32_param`). Tensors stored in 16 bits are skipped: their master is exact. Returns
+    how many parameters were set (0 for a config-only folder). Engines: DeepSpeed ZeRO-1/2/3.
+    """
+    import torch.distributed as dist
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_local_fp32_param
+    from safetensors import safe_open
+
+    files = _safetensors_files(name_or_path)
+    module = getattr(model, "module", model)
+    restored = 0
+    for path, keys in files.items():
+        with safe_open(str(path), framework="pt") as f:
+            for name, param in module.named_parameters():
+                if name not in keys or not param.requires_grad or f.get_slice(name).get_dtype() != "F32":
+                    continue
+                value = f.get_tensor(name)
+                if hasattr(param, "ds_id"):  # [ZeRO-3] this rank's partition of the flattened tensor, zero-padded
+                    size = param.ds_tensor.numel()
+                    start = size * dist.get_rank(group=param.ds_process_group)
+                    local = torch.zeros(size, dtype=torch.float32)
+                    piece = value.flatten()[start:start + size]
+                    local[:piece.numel()] = piece
+                    safe_set_local_fp32_param(param, local)
+                else:  # [ZeRO-1/2] the fragment of the flat fp32 partition this rank holds, if any
+                    safe_set_full_fp32_param(param, value)
+                restored += 1
+    return restored
+
+
+def _safetensors_files(name_or_path: str) -> dict:
+    """{path of a safetensors file: set of tensor names in it} of a local folder or a cached Hub model; {} when
+    there are no weights (a config-only folder)."""
+    import json
+
+    from transformers.utils import cached_file
+
+    def find(filename):
+        local = Path(name_or_path).expanduser() / filename
+        if local.exists():
+            return local
+        if Path(name_or_path).expanduser().exists():
+            return None
+        found = cached_file(name_or_path, filename, _raise_exceptions_for_missing_entries=False)
+        return Path(found) if found else None
+
+    index = find("model.safetensors.index.json")
+    if index is not None:
+        files: dict = {}
+        for key, filename in json.loads(index.read_text())["weight_map"].items():
+            files.setdefault(index.parent / filename, set()).add(key)
+        return files
+    single = find("model.safetensors")
+    if single is None:
+        return {}
+    from safetensors import safe_open
+
+    with safe_open(str(single), framework="pt") as f:
+        return {single: set(f.keys())}
