@@ -75,11 +75,6 @@ def read_metadata(path: str | Path) -> dict:
     return json.loads(meta_file.read_text())
 
 
-def needs_universal(meta: dict, world_size: int) -> bool:
-    """A DeepSpeed checkpoint resumed on another world size goes through DeepSpeed's universal checkpoint."""
-    return meta["storage"] == "deepspeed" and meta["world_size"] != world_size
-
-
 # ---------------------------------------------------------------------------------------------- storages
 class DCPStorage:
     """torch.distributed.checkpoint under `model_optim/`: DDP, FSDP2 and single process. Each rank writes its own
@@ -152,7 +147,7 @@ class DeepSpeedStorage:
     def prepare_resume(self, accelerator, folder: Path, meta: dict) -> None:
         """Before `accelerator.prepare`: a checkpoint from another world size is converted once to a universal
         checkpoint (DeepSpeed's `ds_to_universal`, main process) and the engine told to load it."""
-        if not needs_universal(meta, accelerator.num_processes):
+        if meta["world_size"] == accelerator.num_processes:  # its own checkpoint loads as it is
             return
         target = Path(folder) / UNIVERSAL_DIR
 
@@ -176,7 +171,7 @@ class DeepSpeedStorage:
 
     def read(self, accelerator, folder: Path, model, optimizer, meta: dict) -> None:
         """Load the engine's own (or the universal) checkpoint of `folder` into the prepared engine (every rank)."""
-        universal = needs_universal(meta, accelerator.num_processes)
+        universal = meta["world_size"] != accelerator.num_processes  # then prepare_resume made one
         load_dir = folder / (UNIVERSAL_DIR if universal else DEEPSPEED_DIR)
         groups = model.optimizer.param_groups
         hyperparameters = [{k: v for k, v in g.items() if k != "params"} for g in groups]
