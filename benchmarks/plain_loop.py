@@ -19,7 +19,7 @@ import torch
 import workload  # benchmarks/workload.py: flags, loss and timing shared with trainer_baseline.py
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from zero_utils import data, sft_examples
+from zero_utils import data, prepared_rows, sft_examples
 from zero_utils.model import load_tokenizer
 from zero_utils.optim import build_adamw
 
@@ -29,8 +29,9 @@ torch.manual_seed(args.seed)
 tokenizer = load_tokenizer(args.model)
 # zero_utils.data asks its "accelerator" only which process runs first: one process, so this one.
 one_process = SimpleNamespace(is_main_process=True, num_processes=1)
-rows, _, _ = data.build_sft_datasets(one_process, tokenizer, data.BUNDLED_DATASET, args.seq_len, 0.0, args.seed,
-                                     vocab_size=len(tokenizer))
+rows, _, _ = prepared_rows.prepare_rows(one_process, tokenizer, data.BUNDLED_DATASET, seq_len=args.seq_len,
+                                        eval_fraction=0.0, seed=args.seed, column_map=None,
+                                        pad_token_id=data.pad_token_id_within(tokenizer, len(tokenizer)))
 rows = rows.with_format("torch", columns=["input_ids", "labels", "position_ids"])
 # A config-only folder, as the recipe builds it (zero_utils.model.load_causal_lm): random fp32 weights.
 model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model), dtype=torch.float32)

@@ -23,7 +23,7 @@ from accelerate import PartialState
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from zero_utils import accelerator as accelerator_setup
-from zero_utils import data, distributed, evidence, measurement, sft_examples
+from zero_utils import data, distributed, evidence, measurement, prepared_rows, sft_examples
 from zero_utils.engine import Engine
 from zero_utils.model import load_causal_lm, load_tokenizer
 
@@ -42,8 +42,9 @@ else:
 world = accelerator.num_processes
 torch.manual_seed(args.seed)
 tokenizer = load_tokenizer(args.model)
-train_rows, _, _ = data.build_sft_datasets(accelerator, tokenizer, data.BUNDLED_DATASET, args.seq_len, 0.0,
-                                           args.seed, vocab_size=len(tokenizer))
+train_rows, _, _ = prepared_rows.prepare_rows(accelerator, tokenizer, data.BUNDLED_DATASET, seq_len=args.seq_len,
+                                              eval_fraction=0.0, seed=args.seed, column_map=None,
+                                              pad_token_id=data.pad_token_id_within(tokenizer, len(tokenizer)))
 train_rows = train_rows.with_format("torch", columns=["input_ids", "labels", "position_ids"])
 model = load_causal_lm(args.model, accelerator=accelerator)
 model.config.use_cache = False  # packed rows: with a cache object transformers skips the block-diagonal mask

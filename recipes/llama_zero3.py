@@ -15,6 +15,8 @@ Features, the flag that controls each, and its cost:
     data        --dataset (Hub id or .json/.jsonl/.parquet/.csv/.txt), --columns; packed to --seq_len with
                 per-example position ids; --attn_implementation sdpa/eager keep examples apart with block
                 masks, flash_attention_2/3/4 with varlen offsets (others refused); loss only on answer tokens
+                (text: every token, long documents split into windows); rows prepared once per job in bounded
+                memory and reused by a relaunch with the same data and settings (zero_utils/prepared_rows.py)
     batch       --per_device_batch_size x --gradient_accumulation_steps x processes = global batch; the loss
                 is the mean over the global batch's answer tokens, so in fp32 the engine never changes the maths
                 (in bf16 each engine rounds its own way: docs/PRECISION.md)

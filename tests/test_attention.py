@@ -13,7 +13,7 @@ import torch
 from conftest import REPO
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from zero_utils import attention, data, sft_examples
+from zero_utils import attention, packing, sft_examples
 from zero_utils.errors import UserError
 from zero_utils.model import BUNDLED_MODEL
 
@@ -31,7 +31,7 @@ def packed_batch():
     """Two packed rows of 64 tokens (several examples each, then padding) and the examples' token ids."""
     tokenizer = AutoTokenizer.from_pretrained(BUNDLED_MODEL)
     examples = [sft_examples.tokenize_example(tokenizer, text) for text in TEXTS]
-    rows, _ = data.pack_examples(examples, seq_len=64, pad_token_id=tokenizer.pad_token_id)
+    rows, _ = packing.pack_examples(examples, seq_len=64, pad_token_id=tokenizer.pad_token_id)
     assert len(rows) == 2
     batch = {k: torch.tensor([r[k] for r in rows]) for k in ("input_ids", "position_ids")}
     return batch, [ex["input_ids"] for ex in examples], len(tokenizer)

@@ -82,9 +82,9 @@ def test_zero_utils_never_imports_recipes():
 LAYERS = [
     {"errors", "versions"},
     {"engine", "stop_signals", "distributed", "cli", "launcher", "attention", "sft_examples"},
-    {"accelerator", "data", "wrapping", "optim", "memory_formulas", "qlora"},
-    {"deepspeed_setup", "checkpoint_storage", "measurement", "evidence", "compare_report"},
-    {"model", "checkpoint_export"},
+    {"accelerator", "wrapping", "optim", "memory_formulas", "qlora", "packing"},
+    {"deepspeed_setup", "checkpoint_storage", "measurement", "evidence", "compare_report", "prepared_rows"},
+    {"model", "checkpoint_export", "data"},
     {"parallelize", "memory_estimate", "checkpoint"},
     {"memory", "tracking"},
     {"compare"},

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from zero_utils import data, sft_examples
+from zero_utils import data, packing, prepared_rows, sft_examples
 from zero_utils.errors import UserError
 from zero_utils.model import BUNDLED_MODEL
 
@@ -129,20 +129,20 @@ def _write(path, records, fmt):
 def test_local_file_formats(tmp_path, fmt, records, layout):
     path = tmp_path / f"data.{fmt}"
     _write(path, records, fmt)
-    raw = data.load_raw_dataset(str(path))
+    raw = prepared_rows.load_raw_dataset(str(path))
     assert len(raw["train"]) == 4
     assert sft_examples.detect_layout(raw["train"].column_names) == layout
 
 
 def test_missing_dataset_path_is_a_user_error(tmp_path):
     with pytest.raises(UserError, match="does not exist"):
-        data.load_raw_dataset(str(tmp_path / "nope.jsonl"))
+        prepared_rows.load_raw_dataset(str(tmp_path / "nope.jsonl"))
 
 
 def test_packing_fills_rows_and_restarts_positions(tokenizer):
     examples = [sft_examples.tokenize_example(tokenizer, CHAT) for _ in range(10)]
     length = len(examples[0]["input_ids"])
-    rows, truncated = data.pack_examples(examples, seq_len=3 * length + 2, pad_token_id=tokenizer.pad_token_id)
+    rows, truncated = packing.pack_examples(examples, seq_len=3 * length + 2, pad_token_id=tokenizer.pad_token_id)
     assert truncated == 0 and len(rows) == 4  # 3 + 3 + 3 + 1 examples
     first = rows[0]
     assert all(len(first[k]) == 3 * length + 2 for k in ("input_ids", "labels", "position_ids"))
@@ -154,7 +154,7 @@ def test_packing_fills_rows_and_restarts_positions(tokenizer):
 
 def test_long_examples_are_truncated_and_counted(tokenizer):
     examples = [sft_examples.tokenize_example(tokenizer, "word " * 100)]
-    rows, truncated = data.pack_examples(examples, seq_len=16, pad_token_id=0)
+    rows, truncated = packing.pack_examples(examples, seq_len=16, pad_token_id=0)
     assert truncated == 1 and len(rows[0]["input_ids"]) == 16 and rows[0]["labels"][-1] == sft_examples.IGNORE_INDEX
 
 
@@ -167,7 +167,7 @@ def test_packed_example_logits_equal_alone(tokenizer):
     first = sft_examples.tokenize_example(tokenizer, CHAT)
     second = sft_examples.tokenize_example(tokenizer, [{"role": "user", "content": "Spell cat."},
                                                {"role": "assistant", "content": "c-a-t"}])
-    rows, _ = data.pack_examples([first, second], seq_len=128, pad_token_id=tokenizer.pad_token_id)
+    rows, _ = packing.pack_examples([first, second], seq_len=128, pad_token_id=tokenizer.pad_token_id)
     row = rows[0]
     n1, n2 = len(first["input_ids"]), len(second["input_ids"])
     with torch.no_grad():
@@ -187,20 +187,17 @@ def test_global_batches_partition_each_epoch():
 def test_each_step_splits_the_global_batch_over_ranks_and_micro_steps_without_overlap():
     """TrainingData.step_batches: 2 ranks x accumulation 2 x 4 rows = the 16-row global batch, each row once, with
     the model's keyword arguments and the global batch's answer-token count (every label here is an answer)."""
+    import datasets
+
     from zero_utils import attention
 
-    table = {k: torch.arange(16).unsqueeze(1).repeat(1, 4) for k in ("input_ids", "labels", "position_ids")}
-
-    class Rows:
-        def __len__(self):
-            return 16
-
-        def __getitem__(self, idx):
-            return {k: v[idx] for k, v in table.items()}
+    table = {k: torch.arange(16).unsqueeze(1).repeat(1, 4).tolist() for k in ("input_ids", "labels", "position_ids")}
+    rows = datasets.Dataset.from_dict({**table, "num_loss_tokens": [4] * 16}).with_format(
+        "torch", columns=["input_ids", "labels", "position_ids"])  # as prepared_rows.open_rows returns them
 
     got = []
     for rank in range(2):
-        train_data = data.TrainingData(Rows(), None, {}, seq_len=4, per_device_batch_size=4,
+        train_data = data.TrainingData(rows, None, {}, seq_len=4, per_device_batch_size=4,
                                        gradient_accumulation_steps=2, seed=0, attention_path=attention.BLOCK_MASK,
                                        rank=rank, world_size=2, device="cpu")
         batches = train_data.step_batches(1)
@@ -233,7 +230,15 @@ def test_not_enough_rows_names_the_global_batch():
         data.check_enough_rows(3, 8)
 
 
-ONE_PROCESS = SimpleNamespace(is_main_process=True, num_processes=1)  # build_sft_datasets' only use of it
+ONE_PROCESS = SimpleNamespace(is_main_process=True, num_processes=1)  # prepare_rows' only use of it
+
+
+def prepare(tmp_path, tokenizer, path, vocab_size, seq_len=128, **kwargs):
+    """prepared_rows.prepare_rows as TrainingData.prepare calls it, rows kept under tmp_path."""
+    kwargs = {"eval_fraction": 0.0, "seed": 0, "column_map": None, **kwargs}
+    return prepared_rows.prepare_rows(ONE_PROCESS, tokenizer, str(path), seq_len=seq_len,
+                                      pad_token_id=data.pad_token_id_within(tokenizer, vocab_size),
+                                      cache_root=tmp_path / "rows", **kwargs)
 
 
 def test_rows_are_padded_inside_the_embedding_when_the_tokenizer_pad_is_outside(tmp_path):
@@ -246,7 +251,7 @@ def test_rows_are_padded_inside_the_embedding_when_the_tokenizer_pad_is_outside(
     assert data.pad_token_id_within(tokenizer, vocab_size) == tokenizer.eos_token_id
     path = tmp_path / "chat.jsonl"
     _write(path, [{"messages": CHAT}] * 6, "jsonl")
-    train, _, _ = data.build_sft_datasets(ONE_PROCESS, tokenizer, str(path), 128, 0.0, 0, vocab_size=vocab_size)
+    train, _, _ = prepare(tmp_path, tokenizer, path, vocab_size)
     ids = torch.cat([row["input_ids"] for row in train])
     assert int(ids.max()) < vocab_size and (ids == tokenizer.eos_token_id).sum() > 6  # EOS ends examples and pads
 
@@ -259,4 +264,5 @@ def test_text_tokens_outside_the_embedding_stop_before_training(tmp_path):
     _write(path, [{"prompt": "call <|tool|> now", "completion": "done"}] * 6, "jsonl")
     with pytest.raises(UserError, match=rf"token id {vocab_size} \('<\|tool\|>'\), outside the model's embedding "
                                         rf"of {vocab_size} tokens.*resize_token_embeddings"):
-        data.build_sft_datasets(ONE_PROCESS, tokenizer, str(path), 128, 0.0, 0, vocab_size=vocab_size)
+        _, _, info = prepare(tmp_path, tokenizer, path, vocab_size)
+        data.check_token_ids(tokenizer, info["max_token_id"], vocab_size)  # as TrainingData.prepare does

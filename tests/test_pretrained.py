@@ -89,7 +89,7 @@ def lr_at_step(step: int) -> float:
     return LR * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def test_one_process_trains_as_a_plain_pytorch_loop(fine_tune, pretrained):
+def test_one_process_trains_as_a_plain_pytorch_loop(fine_tune, pretrained, tmp_path):
     """An independent reference for a bug every engine would share: the recipe's losses and final weights equal a
     plain loop over the same packed rows (transformers model, torch AdamW, mean token cross-entropy, clipping)."""
     from types import SimpleNamespace
@@ -97,11 +97,13 @@ def test_one_process_trains_as_a_plain_pytorch_loop(fine_tune, pretrained):
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from zero_utils import data  # only to read the same packed rows, in the same order
+    from zero_utils import data, prepared_rows  # only to read the same packed rows, in the same order
 
     tokenizer = AutoTokenizer.from_pretrained(pretrained)
-    rows, _, _ = data.build_sft_datasets(SimpleNamespace(is_main_process=True, num_processes=1), tokenizer,
-                                         data.BUNDLED_DATASET, SEQ_LEN, 0.0, SEED, vocab_size=len(tokenizer) - 1)
+    rows, _, _ = prepared_rows.prepare_rows(SimpleNamespace(is_main_process=True, num_processes=1), tokenizer,
+                                            data.BUNDLED_DATASET, seq_len=SEQ_LEN, eval_fraction=0.0, seed=SEED,
+                                            column_map=None, cache_root=tmp_path / "rows",
+                                            pad_token_id=data.pad_token_id_within(tokenizer, len(tokenizer) - 1))
     model = AutoModelForCausalLM.from_pretrained(pretrained, dtype=torch.float32).train()
     params = list(model.parameters())
     optimizer = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": WEIGHT_DECAY},

@@ -1,6 +1,7 @@
-"""Supervised fine-tuning data: load -> format -> tokenize -> mask prompt tokens -> pack -> per-rank batches. One
-example's formatting and tokenizing is zero_utils.sft_examples; here the files are loaded, the examples packed into
-rows once per job, and each step's rows dealt to the ranks (`TrainingData`).
+"""A run's training data: load -> format -> tokenize -> mask prompt tokens -> pack -> per-rank batches. One
+example's formatting and tokenizing is zero_utils.sft_examples, packing zero_utils.packing, preparing the rows once
+per job (bounded memory, kept in a cache) zero_utils.prepared_rows; here each step's rows are drawn and dealt to the
+ranks (`TrainingData`), and the run's data line written.
 
 Accepted inputs: a Hub dataset id, a local file (.json, .jsonl, .parquet, .csv, .txt) or a local folder, in the
 layouts users bring, detected from the columns:
@@ -8,7 +9,8 @@ layouts users bring, detected from the columns:
     messages                      chat turns [{"role": ..., "content": ...}, ...]; loss on assistant turns
     prompt / completion           loss on the completion
     instruction / input / output  Alpaca style; loss on the output
-    text                          plain text; loss on every token
+    text                          plain text (continued pretraining): each document ends with the EOS token, loss
+                                  on every token; a document longer than seq_len is split into windows
 
 `column_map` renames the user's columns to these names when detection cannot tell (e.g. {"prompt": "question"}).
 
@@ -25,78 +27,18 @@ explicitly, which `zero_utils.attention.packed_kwargs` does.
 
 from __future__ import annotations
 
+import functools
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from zero_utils import attention, distributed
+from zero_utils import attention, prepared_rows
 from zero_utils.errors import UserError
-from zero_utils.sft_examples import IGNORE_INDEX, detect_layout, parse_column_map, to_messages, tokenize_example
+from zero_utils.sft_examples import IGNORE_INDEX, parse_column_map
 
 BUNDLED_DATASET = str(Path(__file__).resolve().parent / "assets" / "sft_tiny.jsonl")
-
-_LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
-
-def load_raw_dataset(name_or_path: str):
-    """Load a dataset as a `datasets.DatasetDict` from a Hub id, a local file or a local folder.
-
-    Local files are read by extension (json/jsonl/parquet/csv/txt). A path-like name that does not exist is a
-    `UserError` (checked before `datasets` would try the Hub).
-    """
-    import datasets
-
-    path = Path(name_or_path).expanduser()
-    looks_local = path.suffix in _LOCAL_BUILDERS or name_or_path.startswith((".", "/", "~")) or path.exists()
-    if looks_local:
-        if not path.exists():
-            raise UserError(f"--dataset {name_or_path!r} does not exist; pass an existing local file or folder, "
-                            "or a Hub dataset id.")
-        if path.is_file():
-            builder = _LOCAL_BUILDERS.get(path.suffix)
-            if builder is None:
-                raise UserError(f"--dataset {name_or_path!r} has an unsupported extension; "
-                                f"use one of {sorted(_LOCAL_BUILDERS)}.")
-            return datasets.load_dataset(builder, data_files={"train": str(path)})
-        return datasets.load_dataset(str(path))
-    return datasets.load_dataset(name_or_path)
-
-
-def pack_examples(examples: list[dict], seq_len: int, pad_token_id: int) -> tuple[list[dict], int]:
-    """Greedily pack tokenized examples, in order, into rows of exactly `seq_len` tokens.
-
-    Returns (rows, num_truncated). Each row: input_ids, labels, position_ids (restarting at 0 per example), all of
-    length `seq_len`. Longer examples are truncated to `seq_len`; the tail of a row is padding with no loss.
-    """
-    rows, cur_ids, cur_labels, cur_pos, truncated = [], [], [], [], 0
-
-    def flush():
-        pad = seq_len - len(cur_ids)
-        if pad:
-            cur_ids.extend([pad_token_id] * pad)
-            cur_labels.extend([IGNORE_INDEX] * pad)
-            cur_pos.extend(range(pad))  # padding is its own "example": it attends only to itself
-        rows.append({"input_ids": list(cur_ids), "labels": list(cur_labels), "position_ids": list(cur_pos)})
-        cur_ids.clear(), cur_labels.clear(), cur_pos.clear()
-
-    for ex in examples:
-        ids, labels = ex["input_ids"], ex["labels"]
-        if len(ids) > seq_len:
-            truncated += 1
-            ids, labels = ids[:seq_len], labels[: seq_len - 1] + [IGNORE_INDEX]
-        if not any(label != IGNORE_INDEX for label in labels):
-            continue
-        if len(cur_ids) + len(ids) > seq_len:
-            flush()
-        cur_ids += ids
-        cur_labels += labels
-        cur_pos += range(len(ids))
-    if cur_ids:
-        flush()
-    return rows, truncated
-
 
 def pad_token_id_within(tokenizer, vocab_size: int) -> int:
     """The id packed rows are padded with: the tokenizer's pad token, else its EOS, else 0, whichever comes first
@@ -117,76 +59,6 @@ def check_token_ids(tokenizer, max_token_id: int, vocab_size: int) -> None:
                         "pass that folder as --model.")
 
 
-def build_sft_datasets(accelerator, tokenizer, dataset: str, seq_len: int, eval_fraction: float, seed: int,
-                       column_map: dict[str, str] | None = None, *, vocab_size: int):
-    """Load, format, tokenize and pack a dataset once (main process first, through the `datasets` cache).
-
-    Returns (train, eval, info): `datasets.Dataset`s of packed rows (columns input_ids, labels, position_ids,
-    each `seq_len` long; eval is None when there is no held-out data) and a dict of counts for logging. The
-    held-out split is the dataset's own validation/test split, else `eval_fraction` of the examples, split
-    before packing so no example is in both. `vocab_size` is the model's embedding size (`config.vocab_size`):
-    rows are padded with an id inside it, and a text token outside it is a `UserError` before any training.
-    """
-    import datasets
-
-    def prepare():
-        raw = load_raw_dataset(dataset)
-        train_raw = raw["train"] if "train" in raw else raw[next(iter(raw))]
-        eval_raw = next((raw[s] for s in ("validation", "test") if s in raw), None)
-        if eval_raw is None and eval_fraction > 0:
-            if len(train_raw) < 2:
-                raise UserError(f"--dataset {dataset!r} has {len(train_raw)} example(s): too few to hold out "
-                                "an eval split; add data or pass --eval_fraction 0.")
-            split = train_raw.train_test_split(test_size=eval_fraction, seed=seed)
-            train_raw, eval_raw = split["train"], split["test"]
-        layout = detect_layout(train_raw.column_names, column_map)
-        pad_id = pad_token_id_within(tokenizer, vocab_size)
-
-        def tokenize(example):
-            return tokenize_example(tokenizer, to_messages(example, layout, column_map))
-
-        def pack(batch):
-            examples = [{"input_ids": ids, "labels": labels}
-                        for ids, labels in zip(batch["input_ids"], batch["labels"], strict=True)]
-            rows, truncated = pack_examples(examples, seq_len, pad_id)
-            out = {k: [r[k] for r in rows] for k in ("input_ids", "labels", "position_ids")}
-            out["num_truncated"] = [truncated] + [0] * (len(rows) - 1) if rows else []
-            max_id = max((max(ids) for ids in batch["input_ids"] if ids), default=0)
-            out["max_token_id"] = [max_id] + [0] * (len(rows) - 1) if rows else []
-            return out
-
-        def process(split_ds, name):
-            tokenized = split_ds.map(tokenize, remove_columns=split_ds.column_names, desc=f"tokenize {name}")
-            # One big batch packs across the whole split (no waste at batch borders); rows are small ints.
-            packed = tokenized.map(pack, batched=True, batch_size=len(tokenized) or 1,
-                                   remove_columns=tokenized.column_names, desc=f"pack {name} to {seq_len}")
-            check_token_ids(tokenizer, max(packed["max_token_id"], default=0), vocab_size)
-            rows = packed.with_format("torch", columns=["input_ids", "labels", "position_ids"])
-            return rows, len(split_ds), sum(packed["num_truncated"])
-
-        if not accelerator.is_main_process:
-            datasets.disable_progress_bars()
-        cache_dirs = {os.path.dirname(f["filename"]) for f in train_raw.cache_files}
-        files_before = _files_in(cache_dirs)
-        train, n_train, trunc_train = process(train_raw, "train")
-        evald, n_eval, trunc_eval = process(eval_raw, "eval") if eval_raw is not None else (None, 0, 0)
-        # The main process tokenizes and packs; the others find its results in the cache and write nothing.
-        cache_files_written = len(_files_in(cache_dirs) - files_before)
-        if len(train) == 0:
-            raise UserError(f"--dataset {dataset!r} yields no trainable tokens after formatting; "
-                            "check its columns and contents.")
-        info = {"layout": layout, "train_examples": n_train, "eval_examples": n_eval, "train_rows": len(train),
-                "eval_rows": len(evald) if evald is not None else 0, "truncated_examples": trunc_train + trunc_eval,
-                "chat_template": bool(tokenizer.chat_template), "cache_files_written": cache_files_written}
-        return train, evald, info
-
-    return distributed.main_process_first(accelerator, prepare)
-
-
-def _files_in(directories) -> set[str]:
-    return {os.path.join(d, f) for d in directories if os.path.isdir(d) for f in os.listdir(d)}
-
-
 def check_seq_len(seq_len: int, max_position_embeddings: int) -> None:
     """Raise `UserError` when packed rows of `seq_len` tokens are longer than the model's positions."""
     if seq_len > max_position_embeddings:
@@ -205,26 +77,31 @@ def check_enough_rows(num_rows: int, global_batch_size: int) -> None:
 
 def global_batch_indices(num_rows: int, global_batch_size: int, step: int, seed: int) -> list[int]:
     """Row indices of optimizer step `step` (1-based): the global batch is `global_batch_size` consecutive rows of
-    a seeded per-epoch permutation; the incomplete tail of an epoch is dropped.
+    a seeded per-epoch permutation (`epoch_order`); the incomplete tail of an epoch is dropped.
 
     The position is counted in global rows ((step - 1) x global batch), so any world size that keeps the global
-    batch continues the same data stream.
+    batch continues the same data stream. A step costs its batch: the epoch's permutation is drawn once.
     """
     batches_per_epoch = num_rows // global_batch_size
     epoch, batch_in_epoch = divmod(step - 1, batches_per_epoch)
-    order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
     start = batch_in_epoch * global_batch_size
-    return order[start:start + global_batch_size].tolist()
+    return epoch_order(num_rows, seed, epoch)[start:start + global_batch_size].tolist()
 
 
-def loss_tokens_per_row(rows, chunk_rows: int = 4096) -> torch.Tensor:
-    """Answer (loss) tokens in each packed row: int64 [num_rows], counted once, `chunk_rows` rows at a time.
+@functools.lru_cache(maxsize=2)
+def epoch_order(num_rows: int, seed: int, epoch: int) -> torch.Tensor:
+    """The order of the rows in `epoch` (0-based): `torch.randperm(num_rows)` seeded with seed * 1_000_003 + epoch,
+    int64 [num_rows]; kept for the epoch (8 bytes per row), so a pure function of (seed, epoch) drawn once."""
+    return torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+
+
+def loss_tokens_per_row(rows) -> torch.Tensor:
+    """Answer (loss) tokens in each packed row: int64 [num_rows], from the `num_loss_tokens` column the packer
+    wrote (4 bytes a row read, not the rows themselves).
 
     Every rank holds every row, so with these counts each rank knows a global batch's token count without a
     collective (see `global_batch_loss_tokens`)."""
-    counts = [(rows[start:start + chunk_rows]["labels"] != IGNORE_INDEX).sum(1)
-              for start in range(0, len(rows), chunk_rows)]
-    return torch.cat(counts).to(torch.int64) if counts else torch.zeros(0, dtype=torch.int64)
+    return torch.from_numpy(rows.data.column("num_loss_tokens").to_numpy().astype("int64"))
 
 
 def global_batch_loss_tokens(loss_tokens_per_row: torch.Tensor, indices: list[int]) -> int:
@@ -242,10 +119,15 @@ def rank_rows(indices: list[int], rank: int, world_size: int, per_device_batch_s
 
 
 def describe(info: dict, seq_len: int) -> str:
-    """One line about the prepared data, from the `info` of `build_sft_datasets`."""
+    """One line about the prepared data, from the `info` of `prepared_rows.prepare_rows`."""
     line = (f"data: {info['layout']} layout, {info['train_examples']} train / {info['eval_examples']} eval examples "
             f"-> {info['train_rows']} / {info['eval_rows']} rows of {seq_len} tokens")
-    return line + (f" ({info['truncated_examples']} examples truncated)" if info["truncated_examples"] else "")
+    counts = [f"{info[key]} {what}" for key, what in (("truncated_examples", "examples truncated"),
+                                                      ("split_documents", "documents split into windows"))
+              if info.get(key)]
+    line += f" ({', '.join(counts)})" if counts else ""
+    return line + (f"; prepared rows reused from {info['folder']}" if info.get("reused")
+                   else f"; rows prepared in {info['folder']}" if info.get("folder") else "")
 
 
 def eval_micro_batches(rows, rank: int, world_size: int, per_device_batch_size: int, device):
@@ -322,15 +204,18 @@ class TrainingData:
     def prepare(cls, accelerator, tokenizer, model_config, *, dataset: str, columns: str, seq_len: int,
                 eval_fraction: float, seed: int, per_device_batch_size: int, gradient_accumulation_steps: int,
                 attn_implementation: str) -> "TrainingData":
-        """Check, load, tokenize and pack `dataset` once (`build_sft_datasets`: the main process first, through the
-        `datasets` cache) for a model of `model_config`. `columns` is the --columns text (`parse_column_map`)."""
+        """Check, load, tokenize and pack `dataset` once per job (`prepared_rows.prepare_rows`: the main process
+        prepares, or reuses rows prepared earlier; the others open them) for a model of `model_config`. `columns` is
+        the --columns text (`parse_column_map`)."""
         # Packed rows hold several examples: sdpa/eager keep them apart with per-row block masks, flash-attention
         # with the examples' offsets passed to its varlen kernel; any other implementation is refused here.
         path = attention.packing_path(attn_implementation)
         check_seq_len(seq_len, model_config.max_position_embeddings)  # before tokenizing anything
-        train_rows, eval_rows, info = build_sft_datasets(
-            accelerator, tokenizer, dataset, seq_len, eval_fraction, seed, parse_column_map(columns),
-            vocab_size=model_config.vocab_size)  # rows are padded with an id inside the embedding
+        train_rows, eval_rows, info = prepared_rows.prepare_rows(
+            accelerator, tokenizer, dataset, seq_len=seq_len, eval_fraction=eval_fraction, seed=seed,
+            column_map=parse_column_map(columns),
+            pad_token_id=pad_token_id_within(tokenizer, model_config.vocab_size))  # an id inside the embedding
+        check_token_ids(tokenizer, info["max_token_id"], model_config.vocab_size)
         return cls(train_rows, eval_rows, info, seq_len=seq_len, per_device_batch_size=per_device_batch_size,
                    gradient_accumulation_steps=gradient_accumulation_steps, seed=seed, attention_path=path,
                    rank=accelerator.process_index, world_size=accelerator.num_processes, device=accelerator.device)

@@ -36,7 +36,7 @@ def _every_rank(accelerator, values: list) -> torch.Tensor:
 _main_process_works = [0]  # calls of run_on_main_process so far: the same count on every rank
 
 
-def run_on_main_process(accelerator, work, *, poll_s: float = 1.0):
+def run_on_main_process(accelerator, work, *, poll_s: float = 1.0, share_result: bool = False):
     """Run `work()` on the main process alone while every other rank waits for it, for as long as it takes.
 
     Host-side work of one rank (data preparation: hours for a big corpus; the final export; a LoRA merge) must not
@@ -45,7 +45,8 @@ def run_on_main_process(accelerator, work, *, poll_s: float = 1.0):
     key-value store (the rendezvous TCPStore) every `poll_s` seconds at most. An exception on the main process
     reaches every rank: a `UserError` with the same sentence, anything else as a `RuntimeError` naming it (the
     main process re-raises the original). If the main process dies instead, the launcher ends every rank.
-    Returns `work()`'s result on the main process and None on the others. Every rank must call it. Engines: all.
+    Returns `work()`'s result on the main process and None on the others, or with `share_result` on every rank (it
+    must then be JSON-serialisable and small: it travels through the store). Every rank must call it. Engines: all.
     """
     import json
     import time
@@ -67,7 +68,7 @@ def run_on_main_process(accelerator, work, *, poll_s: float = 1.0):
         except BaseException as exc:
             store.set(key, json.dumps({"failed": f"{type(exc).__name__}: {exc}"}))
             raise
-        store.set(key, json.dumps({}))
+        store.set(key, json.dumps({"result": result} if share_result else {}))
         return result
     wait_s = 0.01
     while not store.check([key]):
@@ -78,21 +79,7 @@ def run_on_main_process(accelerator, work, *, poll_s: float = 1.0):
         raise UserError(outcome["user_error"])
     if "failed" in outcome:
         raise RuntimeError(f"the main process failed in work the other ranks waited for: {outcome['failed']}")
-    return None
-
-
-def main_process_first(accelerator, work):
-    """Run `work()` on the main process, then on the others (which then find its results in caches), and
-    return its result on every rank.
-
-    The others wait for the main process with `run_on_main_process`, so a preparation of hours is not cut off
-    by the collective timeout, and a `UserError` raised on the main process reaches every rank (all raise it with
-    the same sentence) instead of leaving the others waiting forever.
-    """
-    result = run_on_main_process(accelerator, work)
-    if not accelerator.is_main_process:
-        result = work()
-    return result
+    return outcome.get("result")
 
 
 def reduce_step_values(accelerator, *, sums: dict[str, torch.Tensor | float],

@@ -6,7 +6,8 @@ tests/conftest.py's `launch` runs every recipe through it. What it always adds, 
 `tracker.write_summary` (a point every rank reaches with the trained model still live):
     summary.json  + "sharding_per_rank" (zero_utils.evidence.sharding_evidence of each rank),
                   + "first_step_rows_per_rank" (the data rows each rank trained on in its first step),
-                  + "data_cache_files_written_per_rank" (datasets cache files each rank wrote: the main one only)
+                  + "data_cache_files_written_per_rank" (row files each rank wrote: the main one only, 0 on reuse)
+                  + "tokenizer_calls_in_data_prep_per_rank" (the tokenizer's calls until the data was ready)
     probe_logits.safetensors  fp32 logits at the last position of --prompt (exports are checked against them)
 Switched on by the environment:
     ZERO_RECIPES_HARNESS_RECIPE          the recipe to run (default recipes/llama_zero3.py)
@@ -17,6 +18,9 @@ Switched on by the environment:
                                          (a data preparation of hours, in seconds)
     ZERO_RECIPES_HARNESS_SLOW_EXPORT_S   the final export waits this long first
     ZERO_RECIPES_HARNESS_VARLEN_PROBE=1  register the flash-attention stand-in `varlen_probe` (varlen_probe.py)
+    ZERO_RECIPES_HARNESS_UNHASHABLE_TOKENIZER=1  the tokenizer holds a generator: `datasets` cannot hash it
+    ZERO_RECIPES_HARNESS_RSS_PROBE=1     + "data_prep_rss_anon_bytes_per_rank": [before, peak during] the data
+                                         preparation, RssAnon of the process sampled every 2 ms from /proc
 """
 
 from __future__ import annotations
@@ -45,6 +49,49 @@ def _slow_first_call(fn, seconds: float):
     return wrapper
 
 
+def _counted(tokenizer):
+    """The tokenizer, its calls counted in `_seen["tokenizer_calls"]` (and, on request, made unhashable)."""
+    _seen["tokenizer_calls"] = [0]
+    base = type(tokenizer)
+
+    def __call__(self, *args, **kwargs):
+        _seen["tokenizer_calls"][0] += 1
+        return base.__call__(self, *args, **kwargs)
+
+    tokenizer.__class__ = type(f"Counted{base.__name__}", (base,), {"__call__": __call__})
+    if os.environ.get("ZERO_RECIPES_HARNESS_UNHASHABLE_TOKENIZER") == "1":
+        tokenizer.unhashable = (n for n in range(1))  # neither pickle nor dill can serialise a generator
+    return tokenizer
+
+
+def rss_anon_bytes() -> int:
+    """This process's anonymous resident memory (not file-backed pages such as memory-mapped Arrow files)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+
+
+class _RssAnonPeak:
+    """Context: RssAnon before, and its peak sampled every 2 ms on a thread while the block runs."""
+
+    def __enter__(self):
+        import threading
+
+        self.before = self.peak = rss_anon_bytes()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self):
+        while not self._done.wait(0.002):
+            self.peak = max(self.peak, rss_anon_bytes())
+
+    def __exit__(self, *exc):
+        self._done.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss_anon_bytes())
+
+
 def _attach_probes() -> None:
     """Attach through the components' declared seams: the objects the recipe builds keep what they were given
     (TrainingData: its rows and `info`; RunMeasurements: the accelerator, the prepared model and optimizer), and
@@ -55,13 +102,23 @@ def _attach_probes() -> None:
     load_tokenizer = model.load_tokenizer
 
     def recorded_tokenizer(*args, **kwargs):
-        _seen["tokenizer"] = load_tokenizer(*args, **kwargs)
+        _seen["tokenizer"] = _counted(load_tokenizer(*args, **kwargs))
         return _seen["tokenizer"]
 
     class RecordedData(data.TrainingData):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             _seen["data"] = self
+            _seen["tokenizer_calls_in_data_prep"] = _seen["tokenizer_calls"][0]
+
+        @classmethod
+        def prepare(cls, *args, **kwargs):
+            if os.environ.get("ZERO_RECIPES_HARNESS_RSS_PROBE") != "1":
+                return super().prepare(*args, **kwargs)
+            with _RssAnonPeak() as probe:
+                prepared = super().prepare(*args, **kwargs)
+            _seen["data_prep_rss_anon"] = [probe.before, probe.peak]
+            return prepared
 
         def rows_of_step(self, indices):  # the rows of the first step this rank trains
             rows = super().rows_of_step(indices)
@@ -108,6 +165,8 @@ def _evidence() -> dict:
         "first_step_rows_per_rank": gather_object([_seen.get("first_step_rows", [])]),
         "sharding_per_rank": gather_object([evidence.sharding_evidence(model, optimizer)]),
         "data_cache_files_written_per_rank": gather_object([_seen["data"].info["cache_files_written"]]),
+        "tokenizer_calls_in_data_prep_per_rank": gather_object([_seen["tokenizer_calls_in_data_prep"]]),
+        "data_prep_rss_anon_bytes_per_rank": gather_object([_seen.get("data_prep_rss_anon")]),
         "weights_digest_per_rank": gather_object([evidence.weights_digest(model)])
         if os.environ.get("ZERO_RECIPES_HARNESS_VERIFY_REPLICAS") == "1" else None,
     }
@@ -118,11 +177,11 @@ def _evidence() -> dict:
 
 
 def main() -> None:
-    from zero_utils import checkpoint_export, cli, data
+    from zero_utils import checkpoint_export, cli, prepared_rows
 
     if os.environ.get("ZERO_RECIPES_HARNESS_SLOW_PREP_S"):
-        data.tokenize_example = _slow_first_call(data.tokenize_example,
-                                                 float(os.environ["ZERO_RECIPES_HARNESS_SLOW_PREP_S"]))
+        prepared_rows.tokenize_example = _slow_first_call(prepared_rows.tokenize_example,
+                                                          float(os.environ["ZERO_RECIPES_HARNESS_SLOW_PREP_S"]))
     if os.environ.get("ZERO_RECIPES_HARNESS_SLOW_EXPORT_S"):
         checkpoint_export.export = _slow_first_call(checkpoint_export.export,
                                                     float(os.environ["ZERO_RECIPES_HARNESS_SLOW_EXPORT_S"]))

@@ -1,0 +1,72 @@
+"""Data preparation at corpus scale, launched: 4 runs of the unchanged recipe (DDP, 2 processes), continued
+pretraining on synthetic text corpora (jsonl, one document a line) of about 4 MB and 40 MB.
+
+- Memory: the per-rank peak anonymous RSS (`RssAnon`: not the page cache of memory-mapped rows) during preparation
+  rises by less than a quarter of the larger corpus's size from the small corpus to the large one.
+- Once per job: the other rank never calls the tokenizer, and writes no row file, also with a tokenizer `datasets`
+  cannot hash (tests/scripts/harness.py counts the calls per process).
+- Cache: a relaunch with the same settings reuses the rows and says so in its data line (no tokenizer call anywhere);
+  another --seq_len prepares again. The in-process half (every dependency of the key, the packer and sampler against
+  the code they replaced) is tests/test_prepared_rows.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import isolated_env, launch
+from test_prepared_rows import write_corpus
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+SMALL_DOCS, LARGE_DOCS = 1100, 11000  # ~4 MB and ~40 MB of text (words of 4 to 6 letters, 300 to 900 a document)
+FLAGS = ("--max_steps", "1", "--seq_len", "256", "--per_device_batch_size", "2", "--eval_fraction", "0.01",
+         "--max_new_tokens", "0", "--report_to", "none")
+PROBES = {"ZERO_RECIPES_HARNESS_RSS_PROBE": "1", "ZERO_RECIPES_HARNESS_UNHASHABLE_TOKENIZER": "1"}
+
+
+@pytest.fixture(scope="module")
+def scale(tmp_path_factory):
+    """The four launches, sharing one datasets cache (as relaunches on one machine do)."""
+    root = tmp_path_factory.mktemp("scale")
+    env = {**isolated_env(root), **PROBES}
+    corpora = {name: write_corpus(root / f"{name}.jsonl", docs) for name, docs in (("small", SMALL_DOCS),
+                                                                                 ("large", LARGE_DOCS))}
+    runs = {}
+    for name, corpus, extra in (("small", "small", ()), ("large", "large", ()), ("relaunch", "small", ()),
+                                ("seq_len", "small", ("--seq_len", "128"))):
+        args = [*FLAGS, "--dataset", str(corpora[corpus]), *extra]
+        runs[name] = launch(root / name, *args, config="ddp", env=env).check()
+    return corpora, runs
+
+
+def test_preparation_memory_does_not_grow_with_the_corpus(scale):
+    corpora, runs = scale
+    large_bytes = corpora["large"].stat().st_size
+    assert large_bytes > 9 * corpora["small"].stat().st_size
+    rise = {}
+    for name in ("small", "large"):
+        (before, peak), _ = runs[name].summary()["data_prep_rss_anon_bytes_per_rank"]
+        rise[name] = peak - before
+    print(f"RssAnon rise while preparing: small corpus {rise['small'] / 1e6:.1f} MB, large "
+          f"{rise['large'] / 1e6:.1f} MB ({large_bytes / 1e6:.1f} MB of text)")
+    assert rise["large"] - rise["small"] < large_bytes / 4
+
+
+def test_only_the_main_process_tokenizes_also_with_an_unhashable_tokenizer(scale):
+    _, runs = scale
+    for name in ("small", "large", "seq_len"):
+        summary = runs[name].summary()
+        calls, written = summary["tokenizer_calls_in_data_prep_per_rank"], summary["data_cache_files_written_per_rank"]
+        assert calls[0] > 0 and calls[1] == 0, (name, calls)
+        assert written == [2, 0], (name, written)  # train and eval rows, by the main process
+    assert "documents split into windows" in runs["small"].output
+
+
+def test_a_relaunch_reuses_the_rows_and_another_seq_len_prepares_again(scale):
+    _, runs = scale
+    relaunch = runs["relaunch"].summary()
+    assert relaunch["tokenizer_calls_in_data_prep_per_rank"] == [0, 0]
+    assert relaunch["data_cache_files_written_per_rank"] == [0, 0]
+    assert "prepared rows reused from" in runs["relaunch"].output
+    assert "prepared rows reused from" not in runs["seq_len"].output
+    assert runs["relaunch"].metrics()[0]["loss"] == pytest.approx(runs["small"].metrics()[0]["loss"], rel=1e-6)
