@@ -119,3 +119,14 @@ def test_communication_counter_reads_nccl_as_well_as_gloo():
     for events, backend in ((gloo, "gloo"), (nccl, "nccl")):
         counted = count_collectives(events, world=2)
         assert counted["backend"] == backend and counted["nelems"] == expected, backend
+
+
+@pytest.mark.slow
+def test_data_prep_benchmark_reports_each_corpus(tmp_path):
+    """benchmarks/data_prep.py on two tiny corpora of this checkout (the --before column runs the same code)."""
+    proc = subprocess.run([sys.executable, "benchmarks/data_prep.py", "--output_dir", str(tmp_path), "--docs", "20,40"],
+                          cwd=REPO, env=isolated_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "data_prep.json").read_text())
+    assert [r["checkout"] for r in rows] == ["this checkout"] * 2 and rows[0]["text_bytes"] < rows[1]["text_bytes"]
+    assert all(0 < r["rss_anon_rise_bytes"] < 10**9 and r["seconds"] > 0 for r in rows)

@@ -1,0 +1,85 @@
+"""Memory of data preparation against the size of the corpus, this checkout and (optionally) another side by side.
+
+    git worktree add /tmp/before c45ba18     # the preparation before rows were streamed (one batch of lists)
+    python benchmarks/data_prep.py --output_dir runs/data_prep --before /tmp/before
+
+Writes synthetic text corpora (jsonl, one document a line, the tests' generator) of --docs documents each, then
+prepares each one in a fresh process with a fresh datasets cache, one process per (checkout, corpus): the bundled
+tokenizer, --seq_len 256, 1% held out. Measured: the rise of the process's anonymous resident memory (`RssAnon`,
+sampled every 2 ms from /proc; memory-mapped files are page cache and do not count) from just before preparing to
+its peak, and the wall time. Prints a table and writes data_prep.json. Units: MB = 1e6 bytes, seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Run in a child process: imports the checkout under test (its zero_utils), prepares, prints one JSON line.
+CHILD = r"""
+import json, os, sys, time
+tree, corpus = sys.argv[1], sys.argv[2]
+sys.path.insert(0, tree)
+sys.path.insert(0, os.path.join(sys.argv[3], "tests", "scripts"))
+from types import SimpleNamespace
+from harness import _RssAnonPeak
+from transformers import AutoTokenizer
+import datasets  # imported before the probe under both checkouts
+tokenizer = AutoTokenizer.from_pretrained(os.path.join(tree, "zero_utils", "assets", "tiny-llama"))
+one_process = SimpleNamespace(is_main_process=True, num_processes=1)
+start = time.perf_counter()
+with _RssAnonPeak() as probe:
+    if not os.path.exists(os.path.join(tree, "zero_utils", "prepared_rows.py")):  # before streamed preparation
+        from zero_utils import data
+        data.build_sft_datasets(one_process, tokenizer, corpus, 256, 0.01, 0, vocab_size=len(tokenizer))
+    else:
+        from zero_utils import prepared_rows
+        prepared_rows.prepare_rows(one_process, tokenizer, corpus, seq_len=256, eval_fraction=0.01, seed=0,
+                                   column_map=None, pad_token_id=tokenizer.pad_token_id or 0)
+print(json.dumps({"rss_anon_rise_bytes": probe.peak - probe.before, "seconds": time.perf_counter() - start}))
+"""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output_dir", default="runs/data_prep")
+    parser.add_argument("--before", help="another checkout to measure side by side (e.g. a git worktree)")
+    parser.add_argument("--docs", default="1100,11000", help="documents per corpus, comma-separated "
+                        "(default: about 4 MB and 40 MB of text)")
+    args = parser.parse_args()
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    sys.path.insert(0, str(REPO / "tests"))
+    from test_prepared_rows import write_corpus
+
+    corpora = [write_corpus(out / f"corpus_{n}.jsonl", int(n)) for n in args.docs.split(",")]
+    trees = {"this checkout": REPO, **({"before": Path(args.before).resolve()} if args.before else {})}
+    results = []
+    for name, tree in trees.items():
+        for corpus in corpora:
+            env_home = out / "hf_home" / f"{name.replace(' ', '_')}_{corpus.stem}"
+            proc = subprocess.run([sys.executable, "-c", CHILD, str(tree), str(corpus), str(REPO)], text=True,
+                                  capture_output=True, env={**_env(), "HF_HOME": str(env_home)})
+            if proc.returncode:
+                raise SystemExit(f"{name} on {corpus.name} failed:\n{proc.stderr[-3000:]}")
+            row = {"checkout": name, "text_bytes": corpus.stat().st_size, **json.loads(proc.stdout.splitlines()[-1])}
+            results.append(row)
+            print(f"{name:<14} {row['text_bytes'] / 1e6:6.1f} MB of text: RssAnon rise "
+                  f"{row['rss_anon_rise_bytes'] / 1e6:8.1f} MB, {row['seconds']:5.1f} s", flush=True)
+    (out / "data_prep.json").write_text(json.dumps(results, indent=1) + "\n")
+
+
+def _env() -> dict:
+    import os
+
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+            "TQDM_DISABLE": "1"}
+
+
+if __name__ == "__main__":
+    main()
