@@ -33,7 +33,7 @@ from zero_utils import distributed, tracking  # [LoRA] distributed: the adapter 
 from zero_utils.accelerator import build_accelerator, close_and_exit
 from zero_utils.checkpoint import Checkpointer
 from zero_utils.cli import flag, run_recipe
-from zero_utils.data import BUNDLED_DATASET, TrainingData
+from zero_utils.data import BUNDLED_DATASET, DataSource, TrainingData
 from zero_utils.deepspeed_setup import zero3_init_disabled  # [LoRA] the merge builds the base whole
 from zero_utils.measurement import RunMeasurements, checkpoint_bytes
 from zero_utils.model import (
@@ -54,7 +54,11 @@ from zero_utils.qlora import quantization_config  # [LoRA]
 @dataclass
 class Settings:
     model: str = flag(BUNDLED_MODEL, "Hub id or local folder of a causal LM")
-    dataset: str = flag(BUNDLED_DATASET, "Hub id or local file/folder")
+    revision: str = flag("", "Hub revision (branch, tag or commit) of --model")
+    dataset: str = flag(BUNDLED_DATASET, "Hub id, local file or folder (shards, or a save_to_disk folder)")
+    dataset_split: str = flag("", "TRAIN[,EVAL] split names, e.g. train_sft,test_sft (default: train; validation/test)")
+    dataset_config: str = flag("", "configuration of a Hub data set")
+    dataset_revision: str = flag("", "Hub revision (branch, tag or commit) of --dataset")
     columns: str = flag("", "rename columns, e.g. prompt=question,completion=answer")
     output_dir: str = flag("runs/llama_lora", "where metrics, checkpoints and final/ go")  # [LoRA]
     lora_r: int = flag(16, "LoRA rank", min=1)  # [LoRA]
@@ -113,17 +117,18 @@ def main(cfg: Settings) -> None:
     set_seed(cfg.seed)
 
     # ------------------------------------------------------------------------------ data
-    tokenizer = load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code)
-    model_config = load_config(cfg.model, cfg.trust_remote_code)
+    tokenizer = load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code, revision=cfg.revision)
+    model_config = load_config(cfg.model, cfg.trust_remote_code, cfg.revision)
     train_data = TrainingData.prepare(  # tokenized and packed once; sliced per step into this rank's micro-batches
-        accelerator, tokenizer, model_config, dataset=cfg.dataset, columns=cfg.columns, seq_len=cfg.seq_len,
+        accelerator, tokenizer, model_config, columns=cfg.columns, seq_len=cfg.seq_len,
+        dataset=DataSource(cfg.dataset, cfg.dataset_split, cfg.dataset_config, cfg.dataset_revision),
         eval_fraction=cfg.eval_fraction, seed=cfg.seed, per_device_batch_size=cfg.per_device_batch_size,
         gradient_accumulation_steps=cfg.gradient_accumulation_steps, attn_implementation=cfg.attn_implementation)
     checkpointer.check(model_config, train_data.global_batch_rows)  # an incompatible checkpoint fails here
 
     # ------------------------------------------------------------------------------ model, parallelize
     model = load_causal_lm(cfg.model, accelerator=accelerator, attn_implementation=cfg.attn_implementation or None,
-                           trust_remote_code=cfg.trust_remote_code,  # [LoRA]
+                           trust_remote_code=cfg.trust_remote_code, revision=cfg.revision,  # [LoRA]
                            quantization_config=quantization_config(cfg.qlora))  # [LoRA] QLoRA: 4-bit base
     lora_config = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,  # [LoRA]
                              target_modules=_target_modules(cfg.lora_target_modules), task_type="CAUSAL_LM")  # [LoRA]
@@ -213,7 +218,7 @@ def main(cfg: Settings) -> None:
             tokenizer.save_pretrained(final)  # [LoRA]
             if cfg.merge:  # [LoRA] the base from disk plus the adapters
                 with zero3_init_disabled(accelerator):  # [LoRA]
-                    merged = get_peft_model(load_causal_lm(cfg.model), lora_config)  # [LoRA]
+                    merged = get_peft_model(load_causal_lm(cfg.model, revision=cfg.revision), lora_config)  # [LoRA]
                 if merged.load_state_dict(adapter_state, strict=False).unexpected_keys:  # [LoRA]
                     raise RuntimeError("the adapter's tensor names do not match the merged model's")  # [LoRA]
                 merged.merge_and_unload().save_pretrained(f"{cfg.output_dir}/final/merged")  # [LoRA]

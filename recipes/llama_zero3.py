@@ -12,7 +12,9 @@ The accelerate YAML picks the engine; this file is the same under all of them:
     accelerate launch --config_file accelerate_configs/fsdp2.yaml --num_processes 2 recipes/llama_zero3.py
 
 Features, the flag that controls each, and its cost:
-    data        --dataset (Hub id or .json/.jsonl/.parquet/.csv/.txt), --columns; packed to --seq_len with
+    data        --dataset (Hub id; a .json/.jsonl/.parquet/.csv/.txt/.arrow file, also .gz; a folder of shards or
+                a save_to_disk folder), --dataset_split TRAIN[,EVAL], --dataset_config, --dataset_revision
+                (--revision pins --model), --columns; packed to --seq_len with
                 per-example position ids; --attn_implementation sdpa/eager keep examples apart with block
                 masks, flash_attention_2/3/4 with varlen offsets (others refused); loss only on answer tokens
                 (text: every token, long documents split into windows); rows prepared once per job in bounded
@@ -43,7 +45,7 @@ from zero_utils import tracking
 from zero_utils.accelerator import build_accelerator, close_and_exit
 from zero_utils.checkpoint import Checkpointer
 from zero_utils.cli import flag, run_recipe
-from zero_utils.data import BUNDLED_DATASET, TrainingData
+from zero_utils.data import BUNDLED_DATASET, DataSource, TrainingData
 from zero_utils.measurement import RunMeasurements, checkpoint_bytes
 from zero_utils.model import (
     BUNDLED_MODEL,
@@ -61,7 +63,11 @@ from zero_utils.parallelize import FSDPWrapping, after_prepare, parallelize
 @dataclass
 class Settings:
     model: str = flag(BUNDLED_MODEL, "Hub id or local folder of a causal LM")
-    dataset: str = flag(BUNDLED_DATASET, "Hub id or local file/folder")
+    revision: str = flag("", "Hub revision (branch, tag or commit) of --model")
+    dataset: str = flag(BUNDLED_DATASET, "Hub id, local file or folder (shards, or a save_to_disk folder)")
+    dataset_split: str = flag("", "TRAIN[,EVAL] split names, e.g. train_sft,test_sft (default: train; validation/test)")
+    dataset_config: str = flag("", "configuration of a Hub data set")
+    dataset_revision: str = flag("", "Hub revision (branch, tag or commit) of --dataset")
     columns: str = flag("", "rename columns, e.g. prompt=question,completion=answer")
     output_dir: str = flag("runs/llama_zero3", "where metrics, checkpoints and final/ go")
     max_steps: int = flag(150, "optimizer steps", min=1)
@@ -114,17 +120,18 @@ def main(cfg: Settings) -> None:
     set_seed(cfg.seed)
 
     # ------------------------------------------------------------------------------ data
-    tokenizer = load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code)
-    model_config = load_config(cfg.model, cfg.trust_remote_code)
+    tokenizer = load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code, revision=cfg.revision)
+    model_config = load_config(cfg.model, cfg.trust_remote_code, cfg.revision)
     train_data = TrainingData.prepare(  # tokenized and packed once; sliced per step into this rank's micro-batches
-        accelerator, tokenizer, model_config, dataset=cfg.dataset, columns=cfg.columns, seq_len=cfg.seq_len,
+        accelerator, tokenizer, model_config, columns=cfg.columns, seq_len=cfg.seq_len,
+        dataset=DataSource(cfg.dataset, cfg.dataset_split, cfg.dataset_config, cfg.dataset_revision),
         eval_fraction=cfg.eval_fraction, seed=cfg.seed, per_device_batch_size=cfg.per_device_batch_size,
         gradient_accumulation_steps=cfg.gradient_accumulation_steps, attn_implementation=cfg.attn_implementation)
     checkpointer.check(model_config, train_data.global_batch_rows)  # an incompatible checkpoint fails here
 
     # ------------------------------------------------------------------------------ model, parallelize
     model = load_causal_lm(cfg.model, accelerator=accelerator, attn_implementation=cfg.attn_implementation or None,
-                           trust_remote_code=cfg.trust_remote_code)
+                           trust_remote_code=cfg.trust_remote_code, revision=cfg.revision)
     num_params = count_parameters(model, trainable_only=True)
     parallelize(model, accelerator, engine, activation_checkpointing=cfg.gradient_checkpointing,
                 fsdp=FSDPWrapping(cfg.fsdp_reshard_last_block, cfg.fsdp_embedding_group, cfg.fsdp_prefetch_blocks))
@@ -133,7 +140,7 @@ def main(cfg: Settings) -> None:
     optimizer = build_adamw(model, cfg.lr, cfg.weight_decay)
     param_groups = describe_param_groups(optimizer)  # decay / no-decay: the same under every engine
     model, optimizer = accelerator.prepare(model, optimizer)
-    after_prepare(model, accelerator, engine, cfg.model)  # [DeepSpeed] the fp32 master from the checkpoint's weights
+    after_prepare(model, accelerator, engine, cfg.model, cfg.revision)  # [DeepSpeed] fp32 master from the weights
     run_config = {**asdict(cfg), "engine": engine.name, "world_size": world, "num_params": num_params,
                   "optimizer_param_groups": param_groups, "mixed_precision": accelerator.mixed_precision,
                   "global_batch_rows": train_data.global_batch_rows}

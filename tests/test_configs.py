@@ -81,8 +81,8 @@ def test_zero_utils_never_imports_recipes():
 # zero_utils's layers, bottom first (docs/ARCHITECTURE.md): a module imports only modules of lower layers.
 LAYERS = [
     {"errors", "versions"},
-    {"engine", "stop_signals", "distributed", "cli", "launcher", "attention", "sft_examples"},
-    {"accelerator", "wrapping", "optim", "memory_formulas", "qlora", "packing"},
+    {"engine", "stop_signals", "distributed", "cli", "launcher", "attention", "sft_examples", "hub"},
+    {"accelerator", "wrapping", "optim", "memory_formulas", "qlora", "packing", "data_sources"},
     {"deepspeed_setup", "checkpoint_storage", "measurement", "evidence", "compare_report", "prepared_rows"},
     {"model", "checkpoint_export", "data"},
     {"parallelize", "memory_estimate", "checkpoint"},

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from zero_utils import data, packing, prepared_rows, sft_examples
+from zero_utils import data, data_sources, packing, prepared_rows, sft_examples
 from zero_utils.errors import UserError
 from zero_utils.model import BUNDLED_MODEL
 
@@ -129,14 +129,14 @@ def _write(path, records, fmt):
 def test_local_file_formats(tmp_path, fmt, records, layout):
     path = tmp_path / f"data.{fmt}"
     _write(path, records, fmt)
-    raw = prepared_rows.load_raw_dataset(str(path))
+    raw = data_sources.load_raw_dataset(str(path))
     assert len(raw["train"]) == 4
     assert sft_examples.detect_layout(raw["train"].column_names) == layout
 
 
 def test_missing_dataset_path_is_a_user_error(tmp_path):
     with pytest.raises(UserError, match="does not exist"):
-        prepared_rows.load_raw_dataset(str(tmp_path / "nope.jsonl"))
+        data_sources.load_raw_dataset(str(tmp_path / "nope.jsonl"))
 
 
 def test_packing_fills_rows_and_restarts_positions(tokenizer):

@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from zero_utils import data, packing, prepared_rows, sft_examples
+from zero_utils import data, data_sources, packing, prepared_rows, sft_examples
 from zero_utils.model import BUNDLED_MODEL
 
 pytestmark = pytest.mark.unit
@@ -24,7 +24,7 @@ IGNORE = -100
 
 # ---------------------------------------------------------------- frozen references (the code before, unchanged)
 def reference_pack_examples(examples, seq_len, pad_token_id):
-    """zero_utils.data.pack_examples as of commit 01486b0 (one batch of Python lists), kept here as the reference."""
+    """`pack_examples` of zero_utils/data.py as of commit 01486b0 (one batch of Python lists): the reference."""
     rows, cur_ids, cur_labels, cur_pos, truncated = [], [], [], [], 0
 
     def flush():
@@ -54,7 +54,7 @@ def reference_pack_examples(examples, seq_len, pad_token_id):
 
 
 def reference_global_batch_indices(num_rows, global_batch_size, step, seed):
-    """zero_utils.data.global_batch_indices as of commit 01486b0 (a permutation drawn every step)."""
+    """`global_batch_indices` of zero_utils/data.py as of commit 01486b0 (a permutation drawn every step)."""
     batches_per_epoch = num_rows // global_batch_size
     epoch, batch_in_epoch = divmod(step - 1, batches_per_epoch)
     order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
@@ -83,7 +83,7 @@ def test_bounded_packer_gives_the_reference_rows_on_the_bundled_data(tmp_path, t
     """The streaming preparation (chunks of examples, the open row carried, Arrow rows) writes exactly the rows the
     old one-batch packer made of the same split, train and held-out alike."""
     train, evald, info = prepare(tmp_path, tokenizer, data.BUNDLED_DATASET, seq_len=seq_len, eval_fraction=0.1)
-    raw = prepared_rows.load_raw_dataset(data.BUNDLED_DATASET)["train"].train_test_split(test_size=0.1, seed=0)
+    raw = data_sources.load_raw_dataset(data.BUNDLED_DATASET)["train"].train_test_split(test_size=0.1, seed=0)
     pad = data.pad_token_id_within(tokenizer, len(tokenizer))
     for rows, split in ((train, raw["train"]), (evald, raw["test"])):
         tokenized = [sft_examples.tokenize_example(tokenizer, sft_examples.to_messages(ex, "messages")) for ex in split]
@@ -100,7 +100,7 @@ def test_rows_do_not_depend_on_the_chunk_sizes(tmp_path, tokenizer, monkeypatch)
     monkeypatch.setattr(prepared_rows, "CHUNK_EXAMPLES", 7)
     monkeypatch.setattr(prepared_rows, "WRITE_TOKENS", 3 * 96)
     train, _, _ = prepare(tmp_path, tokenizer, data.BUNDLED_DATASET, seq_len=96)
-    split = prepared_rows.load_raw_dataset(data.BUNDLED_DATASET)["train"]
+    split = data_sources.load_raw_dataset(data.BUNDLED_DATASET)["train"]
     tokenized = [sft_examples.tokenize_example(tokenizer, sft_examples.to_messages(ex, "messages")) for ex in split]
     expected, _ = reference_pack_examples(tokenized, 96, data.pad_token_id_within(tokenizer, len(tokenizer)))
     assert as_lists(train) == expected

@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from zero_utils import attention, prepared_rows
+from zero_utils.data_sources import DataSource
 from zero_utils.errors import UserError
 from zero_utils.sft_examples import IGNORE_INDEX, parse_column_map
 
@@ -120,8 +121,10 @@ def rank_rows(indices: list[int], rank: int, world_size: int, per_device_batch_s
 
 def describe(info: dict, seq_len: int) -> str:
     """One line about the prepared data, from the `info` of `prepared_rows.prepare_rows`."""
-    line = (f"data: {info['layout']} layout, {info['train_examples']} train / {info['eval_examples']} eval examples "
-            f"-> {info['train_rows']} / {info['eval_rows']} rows of {seq_len} tokens")
+    splits = (f" (train: {info['train_split']}, eval: {info.get('eval_split') or 'none'})"
+              if info.get("train_split") else "")
+    line = (f"data: {info['layout']} layout{splits}, {info['train_examples']} train / {info['eval_examples']} eval "
+            f"examples -> {info['train_rows']} / {info['eval_rows']} rows of {seq_len} tokens")
     counts = [f"{info[key]} {what}" for key, what in (("truncated_examples", "examples truncated"),
                                                       ("split_documents", "documents split into windows"))
               if info.get(key)]
@@ -201,12 +204,13 @@ class TrainingData:
         self._loss_tokens_per_row = loss_tokens_per_row(train_rows)  # each step's token count, with no collective
 
     @classmethod
-    def prepare(cls, accelerator, tokenizer, model_config, *, dataset: str, columns: str, seq_len: int,
+    def prepare(cls, accelerator, tokenizer, model_config, *, dataset: DataSource | str, columns: str, seq_len: int,
                 eval_fraction: float, seed: int, per_device_batch_size: int, gradient_accumulation_steps: int,
                 attn_implementation: str) -> "TrainingData":
         """Check, load, tokenize and pack `dataset` once per job (`prepared_rows.prepare_rows`: the main process
-        prepares, or reuses rows prepared earlier; the others open them) for a model of `model_config`. `columns` is
-        the --columns text (`parse_column_map`)."""
+        prepares, or reuses rows prepared earlier; the others open them) for a model of `model_config`. `dataset`: a
+        `DataSource` (--dataset with its split, configuration and revision) or a name. `columns` is the --columns
+        text (`parse_column_map`)."""
         # Packed rows hold several examples: sdpa/eager keep them apart with per-row block masks, flash-attention
         # with the examples' offsets passed to its varlen kernel; any other implementation is refused here.
         path = attention.packing_path(attn_implementation)

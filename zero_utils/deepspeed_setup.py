@@ -55,7 +55,7 @@ def size_deepspeed_buckets(accelerator, model) -> dict[str, int]:
     return written
 
 
-def restore_fp32_master_weights(model, name_or_path: str) -> int:
+def restore_fp32_master_weights(model, name_or_path: str, revision: str | None = None) -> int:
     """[DeepSpeed, bf16/fp16] Set the fp32 master copy of every trainable parameter from the checkpoint's own fp32
     weights; call it right after `accelerator.prepare`.
 
@@ -70,7 +70,7 @@ def restore_fp32_master_weights(model, name_or_path: str) -> int:
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_local_fp32_param
     from safetensors import safe_open
 
-    files = _safetensors_files(name_or_path)
+    files = _safetensors_files(name_or_path, revision)
     module = getattr(model, "module", model)
     restored = 0
     for path, keys in files.items():
@@ -92,9 +92,9 @@ def restore_fp32_master_weights(model, name_or_path: str) -> int:
     return restored
 
 
-def _safetensors_files(name_or_path: str) -> dict:
-    """{path of a safetensors file: set of tensor names in it} of a local folder or a cached Hub model; {} when
-    there are no weights (a config-only folder)."""
+def _safetensors_files(name_or_path: str, revision: str | None = None) -> dict:
+    """{path of a safetensors file: set of tensor names in it} of a local folder or a cached Hub model (at
+    `revision`); {} when there are no weights (a config-only folder)."""
     import json
 
     from transformers.utils import cached_file
@@ -105,7 +105,8 @@ def _safetensors_files(name_or_path: str) -> dict:
             return local
         if Path(name_or_path).expanduser().exists():
             return None
-        found = cached_file(name_or_path, filename, _raise_exceptions_for_missing_entries=False)
+        found = cached_file(name_or_path, filename, revision=revision or None,
+                            _raise_exceptions_for_missing_entries=False)
         return Path(found) if found else None
 
     index = find("model.safetensors.index.json")

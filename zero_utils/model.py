@@ -14,6 +14,7 @@ import torch
 
 from zero_utils.deepspeed_setup import zero3_init_disabled
 from zero_utils.errors import UserError
+from zero_utils.hub import reaching
 from zero_utils.sft_examples import render_prompt
 from zero_utils.wrapping import reshard_after_inference
 
@@ -30,26 +31,40 @@ def _check_local(name_or_path: str) -> Path | None:
     return None
 
 
-def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
-    """Load the tokenizer. One without a pad token gets its EOS token as pad (padding never reaches the loss)."""
+# A folder holds a tokenizer when it has one of these (fast, sentencepiece, BPE vocabulary, or its config).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+
+
+def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, revision: str | None = None):
+    """Load the tokenizer (at the Hub `revision`, if given). One without a pad token gets its EOS token as pad
+    (padding never reaches the loss). A folder without tokenizer files, or a Hub id that cannot be reached, is a
+    `UserError` (zero_utils.hub)."""
     from transformers import AutoTokenizer
 
-    _check_local(name_or_path)
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    local = _check_local(name_or_path)
+    if local is not None and local.is_dir() and not any((local / f).exists() for f in _TOKENIZER_FILES):
+        raise UserError(f"--model {name_or_path!r} has no tokenizer (none of {', '.join(_TOKENIZER_FILES)}); save "
+                        "the model's tokenizer there with tokenizer.save_pretrained(folder).")
+    with reaching("--model", name_or_path, revision=revision):
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code,
+                                                  revision=revision or None)
     if tokenizer.pad_token is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 
 
-def load_config(name_or_path: str, trust_remote_code: bool = False):
-    """Load the model config (no weights); `UserError` if the path is missing or the model is not a causal LM."""
+def load_config(name_or_path: str, trust_remote_code: bool = False, revision: str | None = None):
+    """Load the model config (no weights, at the Hub `revision` if given); `UserError` if the path is missing, the
+    Hub id cannot be reached (zero_utils.hub) or the model is not a causal LM."""
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     local = _check_local(name_or_path)
     if local is not None and local.is_dir() and not (local / "config.json").exists():
         raise UserError(f"--model {name_or_path!r} has no config.json; point it at a Hugging Face model folder.")
-    config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    with reaching("--model", name_or_path, revision=revision):
+        config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code,
+                                            revision=revision or None)
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not getattr(config, "auto_map", None):
         raise UserError(f"--model {name_or_path!r} is a {config.model_type!r} model, not a causal LM; "
                         "pass a decoder model (Llama, Mistral, Qwen2, ...).")
@@ -57,13 +72,13 @@ def load_config(name_or_path: str, trust_remote_code: bool = False):
 
 
 def load_causal_lm(name_or_path: str, *, accelerator=None, attn_implementation: str | None = None,
-                   trust_remote_code: bool = False, quantization_config=None):
+                   trust_remote_code: bool = False, quantization_config=None, revision: str | None = None):
     """Build or load a `transformers` causal LM in fp32 (master weights; mixed precision casts for compute).
 
-    Returns the model, on CPU. With only a config in a local folder the weights are randomly initialised from
-    the current torch seed, whole on every rank, so every engine starts from the same weights (under DeepSpeed
-    ZeRO-3, `zero.Init` would draw them partition by partition in another order: it is switched off for random
-    init and stays on for pretrained weights). Engines: all.
+    Returns the model, on CPU (pretrained weights at the Hub `revision`, if given). With only a config in a local
+    folder the weights are randomly initialised from the current torch seed, whole on every rank, so every engine
+    starts from the same weights (under DeepSpeed ZeRO-3, `zero.Init` would draw them partition by partition in
+    another order: it is switched off for random init and stays on for pretrained weights). Engines: all.
 
     Under the engines that shard parameters, pretrained weights are read whole by rank 0 alone (DDP and ZeRO-1/2
     read them on every rank, which holds them whole anyway):
@@ -75,7 +90,7 @@ def load_causal_lm(name_or_path: str, *, accelerator=None, attn_implementation: 
     """
     from transformers import AutoModelForCausalLM
 
-    config = load_config(name_or_path, trust_remote_code)
+    config = load_config(name_or_path, trust_remote_code, revision)
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
     local = _check_local(name_or_path)
     if local is not None and local.is_dir() and not any((local / f).exists() for f in _WEIGHT_FILES):
@@ -102,8 +117,10 @@ def load_causal_lm(name_or_path: str, *, accelerator=None, attn_implementation: 
                                                      trust_remote_code=trust_remote_code, **kwargs)
         model.tie_weights()  # the tie must hold before sharding: FSDP2 keeps a shared weight in one group
         return model
-    return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32, use_safetensors=True,
-                                                trust_remote_code=trust_remote_code, **kwargs)
+    with reaching("--model", name_or_path, revision=revision):
+        return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32, use_safetensors=True,
+                                                    trust_remote_code=trust_remote_code, revision=revision or None,
+                                                    **kwargs)
 
 
 def loads_on_rank0_only(accelerator) -> bool:

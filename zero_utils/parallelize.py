@@ -49,10 +49,10 @@ def parallelize(model, accelerator, engine: Engine, *, activation_checkpointing:
         deepspeed_setup.size_deepspeed_buckets(accelerator, model)
 
 
-def after_prepare(model, accelerator, engine: Engine, model_name: str) -> None:
+def after_prepare(model, accelerator, engine: Engine, model_name: str, revision: str | None = None) -> None:
     """What must follow `accelerator.prepare`: [DeepSpeed, bf16/fp16] set the fp32 master weights from the
     checkpoint's own fp32 weights (`deepspeed_setup.restore_fp32_master_weights`; DeepSpeed builds them from the 16-bit
     cast). Nothing to do under the other engines or in fp32. Every rank must call it."""
     if engine.is_deepspeed and accelerator.mixed_precision != "no":
-        deepspeed_setup.restore_fp32_master_weights(model, model_name)
+        deepspeed_setup.restore_fp32_master_weights(model, model_name, revision)
 

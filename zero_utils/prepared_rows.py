@@ -12,10 +12,11 @@ disk; they become int64 tensors at batching time).
 Where: `<datasets cache>/zero_recipes_rows/<key>/` (the `datasets` cache is `HF_DATASETS_CACHE`, by default under
 `HF_HOME`), holding train.arrow, eval.arrow (when there is held-out data) and info.json, written last: a folder
 without it is not used. The key hashes everything the rows depend on: the data (local files by path, size and
-modification time; a Hub dataset by id and the fingerprint of the revision `datasets` loaded), --columns, the
-layout, the tokenizer (its full serialisation) and chat template, seq_len, the pad id, the eval fraction, the seed
-and `packing.PACKER_VERSION`. A relaunch with the same key reuses the rows and says so; any change prepares again.
-Every node must see the folder: on several nodes, put the `datasets` cache on a filesystem they share.
+modification time; a Hub dataset by id, configuration, revision and the fingerprints `datasets` gave it), the train
+and eval splits, --columns, the layout, the tokenizer (its full serialisation) and chat template, seq_len, the pad
+id, the eval fraction, the seed and `packing.PACKER_VERSION`. A relaunch with the same key reuses the rows and says
+so; any change prepares again. Every node must see the folder: on several nodes, put the `datasets` cache on a
+filesystem they share.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import shutil
 from pathlib import Path
 
 from zero_utils import distributed
+from zero_utils.data_sources import DataSource, choose_splits, data_fingerprint, load_raw_dataset
 from zero_utils.errors import UserError
 from zero_utils.packing import PACKER_VERSION, Packer
 from zero_utils.sft_examples import detect_layout, to_messages, tokenize_example
@@ -34,56 +36,6 @@ from zero_utils.sft_examples import detect_layout, to_messages, tokenize_example
 CHUNK_EXAMPLES = 100  # raw examples read and tokenized at a time
 WRITE_TOKENS = 1 << 18  # packed tokens buffered (3 Python ints each, ~36 bytes apiece: ~28 MB) before writing
 ROW_COLUMNS = ("input_ids", "labels", "position_ids")
-_LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
-# `datasets` converts local json and text files to Arrow a block at a time (10 MiB by default): 1 MiB blocks keep the
-# conversion's memory small next to the tokenizer's.
-_BLOCKS = {"json": {"chunksize": 1 << 20}, "text": {"chunksize": 1 << 20}}
-
-
-def load_raw_dataset(name_or_path: str):
-    """Load a dataset as a `datasets.DatasetDict` from a Hub id, a local file or a local folder.
-
-    Local files are read by extension (json/jsonl/parquet/csv/txt); a folder by the files in it. A path-like name
-    that does not exist is a `UserError` (checked before `datasets` would try the Hub).
-    """
-    import datasets
-
-    path = Path(name_or_path).expanduser()
-    if _looks_local(name_or_path):
-        if not path.exists():
-            raise UserError(f"--dataset {name_or_path!r} does not exist; pass an existing local file or folder, "
-                            "or a Hub dataset id.")
-        if path.is_file():
-            builder = _LOCAL_BUILDERS.get(path.suffix)
-            if builder is None:
-                raise UserError(f"--dataset {name_or_path!r} has an unsupported extension; "
-                                f"use one of {sorted(_LOCAL_BUILDERS)}.")
-            return datasets.load_dataset(builder, data_files={"train": str(path)}, **_BLOCKS.get(builder, {}))
-        return datasets.load_dataset(str(path), **_folder_blocks(path))
-    return datasets.load_dataset(name_or_path)
-
-
-def _folder_blocks(folder: Path) -> dict:
-    """The block size for a folder whose files are all json or all text (what `datasets` infers a builder from)."""
-    builders = {_LOCAL_BUILDERS.get(p.suffix) for p in folder.rglob("*") if p.is_file() and not p.name.startswith(".")}
-    return _BLOCKS.get(builders.pop(), {}) if len(builders) == 1 else {}
-
-
-def _looks_local(name_or_path: str) -> bool:
-    path = Path(name_or_path).expanduser()
-    return path.suffix in _LOCAL_BUILDERS or name_or_path.startswith((".", "/", "~")) or path.exists()
-
-
-def data_fingerprint(name_or_path: str, raw) -> dict:
-    """What identifies the data: each local file's path, size and modification time (ns), or a Hub id with the
-    fingerprints `datasets` gave the splits it loaded (they change with the revision)."""
-    if _looks_local(name_or_path):
-        path = Path(name_or_path).expanduser().resolve()
-        files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
-        return {"files": [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files]}
-    return {"hub": name_or_path, "splits": {name: split._fingerprint for name, split in raw.items()}}
-
-
 def tokenizer_fingerprint(tokenizer) -> str:
     """A hash of everything the tokenizer turns text into ids with: its class, its full serialisation (a fast
     tokenizer's `backend_tokenizer.to_str()`: vocabulary, merges, normalizer, added tokens; else its vocabulary and
@@ -108,13 +60,15 @@ def rows_cache_root() -> Path:
     return Path(datasets.config.HF_DATASETS_CACHE) / "zero_recipes_rows"
 
 
-def prepare_rows(accelerator, tokenizer, dataset: str, *, seq_len: int, eval_fraction: float, seed: int,
+def prepare_rows(accelerator, tokenizer, dataset: DataSource | str, *, seq_len: int, eval_fraction: float, seed: int,
                  column_map: dict[str, str] | None, pad_token_id: int, cache_root: Path | None = None):
-    """Prepare (or reuse) the packed rows of `dataset` once per job; return (train, eval, info) on every rank.
+    """Prepare (or reuse) the packed rows of `dataset` (a `DataSource`, or just its name) once per job; return
+    (train, eval, info) on every rank.
 
     train/eval: memory-mapped `datasets.Dataset`s with int32 columns input_ids, labels, position_ids (each `seq_len`
-    long) and num_loss_tokens; eval is None without held-out data (the dataset's own validation/test split, else
-    `eval_fraction` of the examples, split before packing so no example is in both). info: layout, example, row,
+    long) and num_loss_tokens; eval is None without held-out data (the split --dataset_split names, else the data
+    set's validation/test split, else `eval_fraction` of the examples, split before packing so no example is in
+    both: `data_sources.choose_splits`). info: the splits, layout, example, row,
     truncation and split-document counts, max_token_id, the folder, `reused` (found prepared) and
     `cache_files_written` (row files this rank wrote: 0 off the main process). `cache_root`: where rows are kept
     (default `rows_cache_root()`). Every rank must call it.
@@ -131,26 +85,33 @@ def prepare_rows(accelerator, tokenizer, dataset: str, *, seq_len: int, eval_fra
 
 def _prepare(tokenizer, dataset, seq_len, eval_fraction, seed, column_map, pad_token_id, cache_root: Path) -> dict:
     """Main process: {"folder": the prepared rows, "reused": whether a complete folder with the same key was there}."""
-    raw = load_raw_dataset(dataset)
-    train_raw = raw["train"] if "train" in raw else raw[next(iter(raw))]
+    source = DataSource(dataset) if isinstance(dataset, str) else dataset
+    raw = load_raw_dataset(source)
+    train_split, eval_split = choose_splits(raw, source)
+    train_raw = raw[train_split]
     layout = detect_layout(train_raw.column_names, column_map)
-    depends_on = {"data": data_fingerprint(dataset, raw), "columns": column_map or {}, "layout": layout,
+    depends_on = {"data": data_fingerprint(source, raw), "splits": [train_split, eval_split],
+                  "columns": column_map or {}, "layout": layout,
                   "tokenizer": tokenizer_fingerprint(tokenizer), "seq_len": seq_len, "pad_token_id": pad_token_id,
                   "eval_fraction": eval_fraction, "seed": seed, "packer": PACKER_VERSION}
     folder = cache_root / rows_key(depends_on)
     if (folder / "info.json").is_file():
         return {"folder": str(folder), "reused": True}
-    eval_raw = next((raw[s] for s in ("validation", "test") if s in raw), None)
+    eval_raw = raw[eval_split] if eval_split else None
     if eval_raw is None and eval_fraction > 0:
         if len(train_raw) < 2:
-            raise UserError(f"--dataset {dataset!r} has {len(train_raw)} example(s): too few to hold out "
+            raise UserError(f"--dataset {source.name!r} has {len(train_raw)} example(s): too few to hold out "
                             "an eval split; add data or pass --eval_fraction 0.")
         split = train_raw.train_test_split(test_size=eval_fraction, seed=seed)
         train_raw, eval_raw = split["train"], split["test"]
+        eval_split = f"{eval_fraction:g} of {train_split!r} held out"
+    elif eval_split:
+        eval_split = repr(eval_split)
     tmp = folder.parent / f".tmp_{folder.name}_{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    info = {"layout": layout, "chat_template": bool(tokenizer.chat_template), "depends_on": depends_on}
+    info = {"layout": layout, "chat_template": bool(tokenizer.chat_template), "depends_on": depends_on,
+            "train_split": repr(train_split), "eval_split": eval_split}
     for name, split_raw in (("train", train_raw), ("eval", eval_raw)):
         counts = _pack_split(split_raw, name, tokenizer, layout, column_map, seq_len, pad_token_id, tmp) \
             if split_raw is not None else {"examples": 0, "rows": 0, "truncated": 0, "split_documents": 0,
@@ -158,7 +119,7 @@ def _prepare(tokenizer, dataset, seq_len, eval_fraction, seed, column_map, pad_t
         info[name] = counts
     if info["train"]["rows"] == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise UserError(f"--dataset {dataset!r} yields no trainable tokens after formatting; "
+        raise UserError(f"--dataset {source.name!r} yields no trainable tokens after formatting; "
                         "check its columns and contents.")
     (tmp / "info.json").write_text(json.dumps(info, indent=1) + "\n")  # last: the folder is complete
     if not (folder / "info.json").is_file():
@@ -219,6 +180,7 @@ def open_rows(folder: Path):
     evald = (Dataset.from_file(str(folder / "eval.arrow")).with_format("torch", columns=columns)
              if info["eval"]["examples"] else None)
     summary = {"layout": info["layout"], "chat_template": info["chat_template"], "folder": str(folder),
+               "train_split": info["train_split"], "eval_split": info["eval_split"],
                "train_examples": info["train"]["examples"], "eval_examples": info["eval"]["examples"],
                "train_rows": info["train"]["rows"], "eval_rows": info["eval"]["rows"],
                "truncated_examples": info["train"]["truncated"] + info["eval"]["truncated"],
