@@ -25,6 +25,17 @@ def test_missing_dataset_stops_every_rank(runs, tmp_path):
     assert_one_sentence(run, "missing.jsonl", "does not exist")
 
 
+def test_a_failure_on_the_main_process_ends_every_rank_with_its_sentence_and_code_2(runs, tmp_path):
+    """An empty data file, found by the main process while the other rank waits for its data: both ranks print the
+    sentence and exit 2 (torchrun's report lists exitcode 2 for each, not a dead peer or its SIGTERM)."""
+    (tmp_path / "empty.jsonl").write_text("")
+    run = runs("bad-dataset-empty", *FAST, "--dataset", str(tmp_path / "empty.jsonl"), config="ddp", timeout=180)
+    assert_one_sentence(run, "empty.jsonl", "is empty (0 bytes)")
+    assert sum(line.startswith("error: ") and "is empty" in line for line in run.stderr.splitlines()) == 2
+    report = re.findall(r"rank\s+:\s+(\d+) \(local_rank: \d+\)\n\s+exitcode\s+:\s+(-?\d+)", run.stderr)
+    assert sorted(report) == [("0", "2"), ("1", "2")], run.stderr[-3000:]
+
+
 def test_dataset_without_known_columns_names_them(runs, tmp_path):
     path = tmp_path / "qa.jsonl"
     path.write_text("".join(json.dumps({"question": f"q{i}", "answer": f"a{i}"}) + "\n" for i in range(20)))

@@ -159,6 +159,17 @@ def _check_file_values(parser: argparse.ArgumentParser, settings_cls, tokens: li
         raise UserError(f"{path}: {problem.rstrip('.')}; fix the value in the file.")
 
 
+def _exit_now(code: int) -> None:
+    """Leave with `code` at once: without the interpreter's finalization, which under a launcher can outlast the
+    moment torchrun stops the other ranks (its SIGTERM then ends this one as -15, not 2) and can abort in gloo's
+    teardown (see zero_utils.accelerator.close_and_exit)."""
+    import os
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def run_recipe(main, settings_cls, description: str | None = None) -> None:
     """Parse the flags into `settings_cls`, run `main(settings)`, and turn the errors a user can act on into one
     line on stderr: `UserError` -> "error: ..." and exit 2, `TrainingStopped` -> "stopped: ..." and exit 1."""
@@ -168,7 +179,7 @@ def run_recipe(main, settings_cls, description: str | None = None) -> None:
         main(parse_settings(settings_cls, description=description))
     except UserError as error:  # a --config file's problem or the run's: one line, as for any flag
         print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
+        _exit_now(2)
     except TrainingStopped as stopped:
         print(f"stopped: {stopped}", file=sys.stderr)
         sys.exit(1)

@@ -100,7 +100,8 @@ def load_raw_dataset(source: DataSource | str):
 def _check_not_empty(files: list[Path], name: str) -> None:
     empty = [p for p in files if p.stat().st_size == 0]
     if empty:
-        raise UserError(f"--dataset {name!r}: {empty[0]} is empty (0 bytes); remove it or write its data again.")
+        what = f"--dataset {name!r}" + ("" if empty[0] == Path(name).expanduser() else f": {empty[0].name}")
+        raise UserError(f"{what} is empty (0 bytes); remove it or write its data again.")
 
 
 def _load_from_hub(source: DataSource):

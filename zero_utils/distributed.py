@@ -44,7 +44,9 @@ def run_on_main_process(accelerator, work, *, poll_s: float = 1.0, share_result:
     longer fails the job. The others therefore wait outside any collective, polling a key in the process group's
     key-value store (the rendezvous TCPStore) every `poll_s` seconds at most. An exception on the main process
     reaches every rank: a `UserError` with the same sentence, anything else as a `RuntimeError` naming it (the
-    main process re-raises the original). If the main process dies instead, the launcher ends every rank.
+    main process re-raises the original), and the main process raises only once every other rank has read it (at
+    most `ACK_WAIT_S`): the store lives in the main process, so leaving first would turn the others' sentence into
+    a dead peer. If the main process dies instead, the launcher ends every rank.
     Returns `work()`'s result on the main process and None on the others, or with `share_result` on every rank (it
     must then be JSON-serialisable and small: it travels through the store). Every rank must call it. Engines: all.
     """
@@ -63,10 +65,10 @@ def run_on_main_process(accelerator, work, *, poll_s: float = 1.0, share_result:
         try:
             result = work()
         except UserError as exc:
-            store.set(key, json.dumps({"user_error": str(exc)}))
+            _tell_and_wait(store, key, {"user_error": str(exc)}, accelerator.num_processes)
             raise
         except BaseException as exc:
-            store.set(key, json.dumps({"failed": f"{type(exc).__name__}: {exc}"}))
+            _tell_and_wait(store, key, {"failed": f"{type(exc).__name__}: {exc}"}, accelerator.num_processes)
             raise
         store.set(key, json.dumps({"result": result} if share_result else {}))
         return result
@@ -75,11 +77,27 @@ def run_on_main_process(accelerator, work, *, poll_s: float = 1.0, share_result:
         time.sleep(wait_s)
         wait_s = min(2 * wait_s, poll_s)
     outcome = json.loads(store.get(key))
+    if "user_error" in outcome or "failed" in outcome:
+        store.add(f"{key}/read", 1)  # the main process may now leave
     if "user_error" in outcome:
         raise UserError(outcome["user_error"])
     if "failed" in outcome:
         raise RuntimeError(f"the main process failed in work the other ranks waited for: {outcome['failed']}")
     return outcome.get("result")
+
+
+ACK_WAIT_S = 60.0
+
+
+def _tell_and_wait(store, key: str, outcome: dict, world_size: int) -> None:
+    """Publish a failure under `key`, then wait (at most ACK_WAIT_S) until every other rank has read it."""
+    import json
+    import time
+
+    store.set(key, json.dumps(outcome))
+    deadline = time.monotonic() + ACK_WAIT_S
+    while store.add(f"{key}/read", 0) < world_size - 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def reduce_step_values(accelerator, *, sums: dict[str, torch.Tensor | float],
