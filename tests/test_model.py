@@ -66,3 +66,28 @@ def test_qlora_needs_a_cuda_gpu_and_is_off_by_default(monkeypatch):
 def test_qlora_of_a_config_only_model_is_refused():
     with pytest.raises(UserError, match="--qlora quantizes pretrained weights, but --model .* holds only a config"):
         load_causal_lm(BUNDLED_MODEL, accelerator=fsdp2_rank(True), quantization_config=bnb_4bit())
+
+
+def test_parameters_transformers_converts_on_load_are_named_not_skipped(tmp_path):
+    """A Mixtral checkpoint as `save_pretrained` writes it holds per-expert w1/w2/w3 tensors and
+    `block_sparse_moe.gate`, while the loaded model's parameters are the fused `experts.gate_up_proj` /
+    `experts.down_proj` and `mlp.gate`: exactly those are unmatched by name (the DeepSpeed fp32-master restore then
+    says so in one line instead of skipping them silently)."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    from zero_utils.deepspeed_setup import _safetensors_files, unmatched_trainable
+
+    config = MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                           num_attention_heads=2, num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    [path] = _safetensors_files(str(tmp_path))
+    with safe_open(str(path), framework="pt") as f:
+        keys = set(f.keys())
+    assert "model.layers.0.block_sparse_moe.experts.3.w2.weight" in keys  # per-expert tensors on disk
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    fused = {f"model.layers.{i}.mlp.experts.{p}" for i in range(2) for p in ("gate_up_proj", "down_proj")}
+    renamed = {f"model.layers.{i}.mlp.gate.weight" for i in range(2)}  # block_sparse_moe.gate on disk
+    assert {f"model.layers.{i}.block_sparse_moe.gate.weight" for i in range(2)} <= keys
+    assert set(unmatched_trainable(loaded, keys)) == fused | renamed
+    assert unmatched_trainable(loaded, set()) == []  # a config-only folder: nothing to restore, nothing to say

@@ -55,7 +55,7 @@ def size_deepspeed_buckets(accelerator, model) -> dict[str, int]:
     return written
 
 
-def restore_fp32_master_weights(model, name_or_path: str, revision: str | None = None) -> int:
+def restore_fp32_master_weights(model, name_or_path: str, revision: str | None = None) -> tuple[int, list[str]]:
     """[DeepSpeed, bf16/fp16] Set the fp32 master copy of every trainable parameter from the checkpoint's own fp32
     weights; call it right after `accelerator.prepare`.
 
@@ -64,7 +64,8 @@ def restore_fp32_master_weights(model, name_or_path: str, revision: str | None =
     DDP start from the exact ones. The safetensors files are read one tensor at a time; a ZeRO-3 rank copies its
     own partition (`deepspeed.utils.safe_set_local_fp32_param`, padded like DeepSpeed's partition), a ZeRO-1/2 rank
     its fragment (`safe_set_full_fp32_param`). Tensors stored in 16 bits are skipped: their master is exact. Returns
-    how many parameters were set (0 for a config-only folder). Engines: DeepSpeed ZeRO-1/2/3.
+    (how many parameters were set, the trainable parameters the checkpoint does not hold under their own names:
+    `unmatched_trainable`); (0, []) for a config-only folder. Engines: DeepSpeed ZeRO-1/2/3.
     """
     import torch.distributed as dist
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_local_fp32_param
@@ -89,7 +90,17 @@ def restore_fp32_master_weights(model, name_or_path: str, revision: str | None =
                 else:  # [ZeRO-1/2] the fragment of the flat fp32 partition this rank holds, if any
                     safe_set_full_fp32_param(param, value)
                 restored += 1
-    return restored
+    return restored, unmatched_trainable(module, set().union(*files.values()))
+
+
+def unmatched_trainable(module, checkpoint_keys: set[str]) -> list[str]:
+    """Trainable parameters of `module` whose names are not keys of the checkpoint (none for a config-only folder):
+    transformers 5 renames and converts some families' weights on load (Mixtral's `block_sparse_moe.gate` becomes
+    `mlp.gate`, its per-expert `w1/w2/w3` the fused `experts.gate_up_proj` / `down_proj`), so their fp32 master
+    cannot be read by name and stays the 16-bit cast."""
+    if not checkpoint_keys:
+        return []
+    return [name for name, param in module.named_parameters() if param.requires_grad and name not in checkpoint_keys]
 
 
 def _safetensors_files(name_or_path: str, revision: str | None = None) -> dict:
