@@ -91,3 +91,24 @@ def test_parameters_transformers_converts_on_load_are_named_not_skipped(tmp_path
     assert {f"model.layers.{i}.block_sparse_moe.gate.weight" for i in range(2)} <= keys
     assert set(unmatched_trainable(loaded, keys)) == fused | renamed
     assert unmatched_trainable(loaded, set()) == []  # a config-only folder: nothing to restore, nothing to say
+
+
+def test_converted_parameters_are_rebuilt_as_transformers_loads_them(tmp_path):
+    """The fp32 master of a parameter transformers builds on load (Mixtral's fused experts, its renamed router) is
+    rebuilt from the checkpoint through transformers' own conversion: equal, bit for bit, to what
+    `from_pretrained(dtype=float32)` holds."""
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    from zero_utils.deepspeed_setup import _safetensors_files, converted_tensors, unmatched_trainable
+
+    config = MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                           num_attention_heads=2, num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    files = _safetensors_files(str(tmp_path))
+    wanted = set(unmatched_trainable(loaded, set().union(*files.values())))
+    rebuilt = dict(converted_tensors(loaded, files, wanted))
+    assert set(rebuilt) == wanted and len(wanted) == 6
+    params = dict(loaded.named_parameters())
+    for name, tensor in rebuilt.items():
+        assert tensor.dtype == torch.float32 and torch.equal(tensor, params[name]), name

@@ -63,9 +63,10 @@ def restore_fp32_master_weights(model, name_or_path: str, revision: str | None =
     already at load time), so an fp32 checkpoint would start training from bf16-rounded weights while FSDP2 and
     DDP start from the exact ones. The safetensors files are read one tensor at a time; a ZeRO-3 rank copies its
     own partition (`deepspeed.utils.safe_set_local_fp32_param`, padded like DeepSpeed's partition), a ZeRO-1/2 rank
-    its fragment (`safe_set_full_fp32_param`). Tensors stored in 16 bits are skipped: their master is exact. Returns
-    (how many parameters were set, the trainable parameters the checkpoint does not hold under their own names:
-    `unmatched_trainable`); (0, []) for a config-only folder. Engines: DeepSpeed ZeRO-1/2/3.
+    its fragment (`safe_set_full_fp32_param`). Tensors stored in 16 bits are skipped: their master is exact.
+    Parameters transformers renames or builds on load (Mixtral's router and fused experts) are rebuilt through its
+    own conversion (`converted_tensors`). Returns (how many parameters were set, the trainable parameters still not
+    found: named by the caller in one warning); (0, []) for a config-only folder. Engines: DeepSpeed ZeRO-1/2/3.
     """
     import torch.distributed as dist
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_local_fp32_param
@@ -73,24 +74,72 @@ def restore_fp32_master_weights(model, name_or_path: str, revision: str | None =
 
     files = _safetensors_files(name_or_path, revision)
     module = getattr(model, "module", model)
+    params = dict(module.named_parameters())
+
+    def set_master(param, value):
+        if hasattr(param, "ds_id"):  # [ZeRO-3] this rank's partition of the flattened tensor, zero-padded
+            size = param.ds_tensor.numel()
+            start = size * dist.get_rank(group=param.ds_process_group)
+            local = torch.zeros(size, dtype=torch.float32)
+            piece = value.flatten()[start:start + size]
+            local[:piece.numel()] = piece
+            safe_set_local_fp32_param(param, local)
+        else:  # [ZeRO-1/2] the fragment of the flat fp32 partition this rank holds, if any
+            safe_set_full_fp32_param(param, value)
+
     restored = 0
     for path, keys in files.items():
         with safe_open(str(path), framework="pt") as f:
-            for name, param in module.named_parameters():
+            for name, param in params.items():
                 if name not in keys or not param.requires_grad or f.get_slice(name).get_dtype() != "F32":
                     continue
-                value = f.get_tensor(name)
-                if hasattr(param, "ds_id"):  # [ZeRO-3] this rank's partition of the flattened tensor, zero-padded
-                    size = param.ds_tensor.numel()
-                    start = size * dist.get_rank(group=param.ds_process_group)
-                    local = torch.zeros(size, dtype=torch.float32)
-                    piece = value.flatten()[start:start + size]
-                    local[:piece.numel()] = piece
-                    safe_set_local_fp32_param(param, local)
-                else:  # [ZeRO-1/2] the fragment of the flat fp32 partition this rank holds, if any
-                    safe_set_full_fp32_param(param, value)
+                set_master(param, f.get_tensor(name))
                 restored += 1
-    return restored, unmatched_trainable(module, set().union(*files.values()))
+    unmatched = unmatched_trainable(module, set().union(*files.values()))
+    for name, value in converted_tensors(module, files, set(unmatched)):  # renamed or fused on load
+        set_master(params[name], value)
+        unmatched.remove(name)
+        restored += 1
+    return restored, unmatched
+
+
+def converted_tensors(module, files: dict, wanted: set[str]):
+    """Yield (parameter name, fp32 tensor) for the parameters in `wanted` that transformers builds on load from
+    checkpoint tensors of other names: its own conversion mapping for the model's family
+    (`transformers.conversion_mapping.get_model_conversion_mapping`: renamings, and converters such as Mixtral's
+    stacking of per-expert w1/w3 into `experts.gate_up_proj`), applied to the tensors read one target at a time from
+    `files` ({safetensors path: its keys}, as `_safetensors_files` returns them). Engines: any (CPU only)."""
+    from copy import deepcopy
+
+    from safetensors import safe_open
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+
+    mapping = get_model_conversion_mapping(module)
+    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+    converters = [m for m in mapping if isinstance(m, WeightConverter)]
+    by_pattern = {pattern: converter for converter in converters for pattern in converter.source_patterns}
+    names = {name: True for name, _ in module.named_parameters()}
+    sources: dict[str, list] = {}  # target parameter -> [(converter source pattern or None, key, file)]
+    for path, keys in files.items():
+        for key in keys:
+            target, pattern = rename_source_key(key, renamings, converters, module.base_model_prefix, names)
+            if target in wanted:
+                sources.setdefault(target, []).append((pattern, key, path))
+
+    def read(path, key):
+        with safe_open(str(path), framework="pt") as f:
+            return f.get_tensor(key).to(torch.float32)
+
+    for target, found in sources.items():
+        found.sort(key=lambda item: dot_natural_key(item[1]))  # expert 0, 1, ... as transformers stacks them
+        if found[0][0] is None:  # renamed only
+            yield target, read(found[0][2], found[0][1])
+            continue
+        converter = deepcopy(by_pattern[found[0][0]])
+        for pattern, key, path in found:
+            converter.add_tensor(target, key, pattern, lambda path=path, key=key: read(path, key))
+        yield target, converter.convert(target, model=module, config=module.config)[target]
 
 
 def unmatched_trainable(module, checkpoint_keys: set[str]) -> list[str]:

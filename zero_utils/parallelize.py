@@ -52,13 +52,13 @@ def parallelize(model, accelerator, engine: Engine, *, activation_checkpointing:
 def after_prepare(model, accelerator, engine: Engine, model_name: str, revision: str | None = None) -> None:
     """What must follow `accelerator.prepare`: [DeepSpeed, bf16/fp16] set the fp32 master weights from the
     checkpoint's own fp32 weights (`deepspeed_setup.restore_fp32_master_weights`; DeepSpeed builds them from the 16-bit
-    cast), and name in one warning the trainable parameters it could not find by name. Nothing to do under the
-    other engines or in fp32. Every rank must call it."""
+    cast; renamed and fused parameters through transformers' conversion), and name in one warning any trainable
+    parameter still not found. Nothing to do under the other engines or in fp32. Every rank must call it."""
     if engine.is_deepspeed and accelerator.mixed_precision != "no":
         _, unmatched = deepspeed_setup.restore_fp32_master_weights(model, model_name, revision)
         if unmatched:  # said, never skipped silently
             shown = ", ".join(unmatched[:4]) + (", ..." if len(unmatched) > 4 else "")
-            accelerator.print(f"warning: {len(unmatched)} trainable parameters are not in {model_name!r} under their "
-                              f"own names (transformers converts them on load: {shown}); their fp32 master starts "
+            accelerator.print(f"warning: {len(unmatched)} trainable parameters of {model_name!r} were found neither "
+                              f"by name nor through transformers' conversion ({shown}); their fp32 master starts "
                               "from the 16-bit weights.")
 
