@@ -45,7 +45,7 @@ from zero_utils.model import (
     load_config,
     load_tokenizer,
 )
-from zero_utils.optim import build_adamw, describe_param_groups, lr_at, set_lr
+from zero_utils.optim import build_adamw, clip_gradients, describe_param_groups, lr_at, set_lr
 from zero_utils.parallelize import FSDPWrapping, parallelize  # [LoRA] no after_prepare: below
 from zero_utils.qlora import quantization_config  # [LoRA]
 
@@ -190,7 +190,7 @@ def main(cfg: Settings) -> None:
                 micro_loss_sum = token_loss_sum(micro)
                 accelerator.backward(micro_loss_sum * scale)
                 loss_sum += micro_loss_sum.detach()
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+        grad_norm = clip_gradients(accelerator, model, cfg.max_grad_norm)  # fp64 norm; DeepSpeed clips in its step
         # The step's one collective and host sync: loss, gradient norm, memory peaks, and any rank's stop signal.
         result = meter.end_step(step, lr=lr, loss_sum=loss_sum, loss_tokens=batches.loss_tokens, grad_norm=grad_norm)
         if result.skipped:  # a non-finite loss: no update (past --max_bad_steps end_step stops the run)

@@ -221,6 +221,12 @@ def _configure_deepspeed(accelerator, per_device_batch_size, gradient_accumulati
     for key, stages in _DEEPSPEED_AUTO_BUCKETS.items():
         if stage in stages:
             config["zero_optimization"].setdefault(key, "auto")
+    if stage == 3 and accelerator.mixed_precision in ("bf16", "fp16"):
+        # Reduce and keep gradient partitions in fp32, as FSDP2 does (reduce_dtype fp32): DeepSpeed's default reduces
+        # in the 16-bit dtype and accumulates micro-batches in a 16-bit partition, rounding every gradient
+        # (docs/PRECISION.md; +2 bytes/param/N). A DeepSpeed config file of your own that sets them wins.
+        config.setdefault("communication_data_type", "fp32")
+        config.setdefault("data_types", {}).setdefault("grad_accum_dtype", "fp32")
 
 
 def _adapt_fsdp_offload_for_cpu(accelerator) -> None:

@@ -31,9 +31,10 @@ Transient peaks (engine buffers and gathered parameters, in the compute dtype, o
     ddp          one 25 MiB gradient bucket (gradients are views into the buckets: gradient_as_bucket_view=True).
     zero1/zero2  reduce bucket + allgather bucket (DeepSpeed default 5e8 elements).
     zero3        live parameters (stage3_max_live_parameters, 1e9 elements, an upper bound) + reduce bucket
-                 + prefetch bucket + persistent small params (<= 10 h elements each). Bucket sizes are
-                 `deepspeed_bucket_elements` below (what the recipe writes into DeepSpeed's config): accelerate's
-                 "auto" (h^2, 0.9 h^2 elements), at least 25 MiB of fp32 elements each.
+                 (in fp32: the recipe reduces gradients in fp32) + prefetch bucket + persistent small params
+                 (<= 10 h elements each). Bucket sizes are `deepspeed_bucket_elements` below (what the recipe
+                 writes into DeepSpeed's config): accelerate's "auto" (h^2, 0.9 h^2 elements), at least 25 MiB of
+                 fp32 elements each.
     fsdp2        the output-head group, kept gathered (zero_utils.wrapping), + the unit being computed and the
                  prefetched next one (2 x the largest unit) + that unit's gradient during backward.
     fsdp2_zero2  every unit stays gathered from its forward to its backward: the whole model + one unit's gradient.
@@ -58,9 +59,10 @@ _KINDS = ("params", "grads", "optimizer")
 # and the recipe's `model_state_bytes_expected` both read it through `model_state_bytes`.
 # "fp32" and "mixed" are MEASURED from live tensors (DeepSpeed 0.19.8, torch 2.13, accelerate 1.15; 2 and 4 ranks;
 # docs/MEMORY.md): re-measure before editing. DeepSpeed keeps more than the paper: an fp32 gradient partition
-# next to its 16-bit one (ZeRO-3: grads 4 + 2, or 4 + 4 in fp32), and under ZeRO-1/2 the gradients of the whole
-# parameters that overlap the rank's partition (~1/N of them, counted here as (0, 2|4); the parameters cut by a
-# partition border are added exactly by `expected_model_state_bytes(..., param_groups=...)`).
+# next to its reduced one (ZeRO-3: grads 4 + 4; in mixed precision the recipe keeps the reduced partition in fp32,
+# as FSDP2 reduces, where DeepSpeed's default is 16-bit: docs/PRECISION.md), and under ZeRO-1/2 the gradients of
+# the whole parameters that overlap the rank's partition (~1/N of them, counted here as (0, 2|4); the parameters
+# cut by a partition border are added exactly by `expected_model_state_bytes(..., param_groups=...)`).
 _BYTES_PER_PARAM = {
     "fp32": {
         "ddp": {"params": (4, 0), "grads": (4, 0), "master": (0, 0), "moments": (8, 0)},
@@ -75,7 +77,7 @@ _BYTES_PER_PARAM = {
         "ddp": {"params": (4, 0), "grads": (4, 0), "master": (0, 0), "moments": (8, 0)},
         "zero1": {"params": (2, 0), "grads": (0, 6), "master": (0, 4), "moments": (0, 8)},
         "zero2": {"params": (2, 0), "grads": (0, 6), "master": (0, 4), "moments": (0, 8)},
-        "zero3": {"params": (0, 2), "grads": (0, 6), "master": (0, 4), "moments": (0, 8)},
+        "zero3": {"params": (0, 2), "grads": (0, 8), "master": (0, 4), "moments": (0, 8)},
         "fsdp2": {"params": (0, 4), "grads": (0, 4), "master": (0, 0), "moments": (0, 8)},
     },
     # The ZeRO paper's mixed-precision Adam (Rajbhandari et al. 2020, section 3.1: 2 + 2 + K=12 bytes): the
@@ -312,10 +314,9 @@ def transient_bytes(engine: Engine, arch: Architecture, *, dtype: str = "bf16", 
     reduce_bucket, prefetch_bucket = buckets["reduce_bucket_size"], buckets["stage3_prefetch_bucket_size"]
     if engine.is_deepspeed and engine.zero_stage < 3:
         return element_bytes * (min(reduce_bucket, psi) + min(500_000_000, psi))
-    if engine.is_deepspeed:  # ZeRO-3
-        gathered = (min(1_000_000_000, psi) + min(reduce_bucket, psi) + min(prefetch_bucket, psi)
-                    + arch.persistent_params)
-        return element_bytes * gathered
+    if engine.is_deepspeed:  # ZeRO-3; its reduce bucket holds fp32 (the recipe reduces gradients in fp32)
+        gathered = min(1_000_000_000, psi) + min(prefetch_bucket, psi) + arch.persistent_params
+        return element_bytes * gathered + 4 * min(reduce_bucket, psi)
     unit = max(arch.block_params, arch.embed_params)
     unit_grad = element_bytes * int(unit * trainable_fraction)
     if engine.zero_stage == 2:  # fsdp2_zero2

@@ -63,3 +63,29 @@ def set_lr(optimizer, lr: float) -> None:
     """Set the learning rate of every param group (works on accelerate's and DeepSpeed's wrapped optimizers)."""
     for group in optimizer.param_groups:
         group["lr"] = lr
+
+
+def clip_gradients(accelerator, model, max_norm: float):
+    """Scale the gradients so their global L2 norm is at most `max_norm`; return the norm before clipping (a 0-dim
+    fp64 tensor; DeepSpeed's own norm under DeepSpeed).
+
+    DeepSpeed clips inside its engine step (`gradient_clipping`, which `build_accelerator` writes), with the norm
+    summed in fp64 and the gradients multiplied by 1 / max(1, (norm + 1e-6) / max_norm). The other engines clip
+    here the same way, instead of with torch's `clip_grad_norm_`, which sums in fp32 (1e-5 relative off at 10^8
+    parameters on CPU): a clipping factor that differs in the fifth digit is enough for bf16 training to take
+    another path (docs/PRECISION.md). FSDP2's DTensor gradients are summed over their mesh. Needs, for the largest
+    gradient (shard), an fp64 copy of it at a time, as DeepSpeed does. Engines: all.
+    """
+    from accelerate import DistributedType
+
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        return accelerator.clip_grad_norm_(model.parameters(), max_norm)
+    accelerator.unscale_gradients()  # fp16's loss scale; nothing in bf16 and fp32
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]))
+    if hasattr(norm, "full_tensor"):  # DTensor: each rank holds its shards' part of the sum
+        norm = norm.full_tensor()
+    scale = 1.0 / torch.clamp((norm + 1e-6) / max_norm, min=1.0)
+    for grad in grads:
+        grad.mul_(scale)
+    return norm
