@@ -73,6 +73,17 @@ def fine_tune(engine: str, precision: str, model: Path, output_dir: Path, steps:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def changed_fraction(model: Path, run: Path, precision: str) -> float:
+    """Share of the weights whose value the forward sees changed after the run: the bf16 rounding of the exported
+    fp32 master against that of the initial weights in bf16, the fp32 weights themselves in fp32."""
+    from safetensors.torch import load_file
+
+    cast = (lambda t: t.bfloat16()) if precision == "bf16" else (lambda t: t)
+    initial, final = load_file(model / "model.safetensors"), load_file(run / "final" / "model.safetensors")
+    changed = sum(int((cast(final[k]) != cast(t)).sum()) for k, t in initial.items())
+    return changed / sum(t.numel() for t in initial.values())
+
+
 def table(curves: dict[str, list[float]], steps: int) -> list[str]:
     names = [f"{engine} {precision}" for precision in PRECISIONS for engine in ENGINES]
     lines = ["| step | " + " | ".join(n.replace(" no", " fp32") for n in names) + " | "
@@ -98,14 +109,17 @@ def main() -> None:
             runs[f"{engine} {precision}"] = metrics = fine_tune(engine, precision, model, output_dir, args.max_steps)
             print(f"{engine} {precision}: " + " ".join(f"{m['loss']:.4f}" for m in metrics), flush=True)
     curves = {name: [m["loss"] for m in metrics] for name, metrics in runs.items()}
+    summary = []
     for precision in PRECISIONS:
         a, b = curves[f"fsdp2 {precision}"], curves[f"zero3 {precision}"]
-        print(f"{precision}: largest |zero3 - fsdp2| / fsdp2 over the steps: "
-              f"{max(abs(x - y) / x for x, y in zip(a, b, strict=True)):.1e}")
+        changed = changed_fraction(model, output_dir / "runs" / f"fsdp2-{precision}", precision)
+        summary.append(f"{precision.replace('no', 'fp32')}: largest |zero3 - fsdp2| / fsdp2 over the steps "
+                       f"{max(abs(x - y) / x for x, y in zip(a, b, strict=True)):.1e}; weights the forward sees "
+                       f"changed after {args.max_steps} steps (fsdp2): {changed:.1%}")
     per_run = {name: {"loss": [m["loss"] for m in metrics], "grad_norm": [m["grad_norm"] for m in metrics]}
                for name, metrics in runs.items()}
     (output_dir / "losses.json").write_text(json.dumps(per_run, indent=2))
-    lines = table(curves, args.max_steps)
+    lines = [*table(curves, args.max_steps), "", *summary]
     (output_dir / "losses.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
