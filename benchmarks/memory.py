@@ -27,15 +27,16 @@ from zero_utils.launcher import accelerate_launch_command, config_file  # noqa: 
 ENGINES = ["ddp", "zero1", "zero2", "zero3", "fsdp2", "fsdp2_zero2"]
 
 
-def make_model(path: Path) -> str:
-    """The 3.3M-parameter Llama of the tests (hidden 256, 4 layers), config and tokenizer only."""
+def make_model(path: Path, **overrides) -> str:
+    """The 3.3M-parameter Llama of the tests (hidden 256, 4 layers), config and tokenizer only; `overrides` change
+    its config (a larger vocabulary keeps the bundled tokenizer: its ids are a subset)."""
     from transformers import AutoTokenizer, LlamaConfig
 
     tokenizer = AutoTokenizer.from_pretrained(REPO / "zero_utils/assets/tiny-llama")
-    LlamaConfig(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
-                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                pad_token_id=tokenizer.pad_token_id).save_pretrained(path)
+    sizes = {"vocab_size": len(tokenizer), "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512, **overrides}
+    LlamaConfig(**sizes, tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
 

@@ -15,8 +15,8 @@ Features, the flag that controls each, and its cost:
     export      final/ = the PEFT adapter (adapter_config.json + adapter_model.safetensors): only the trainable
                 tensors are gathered, one at a time; --merge also writes final/merged/, the base with the
                 adapters merged in (on the main process, from the base model on disk)
-    data, batch, optimizer, eval, checkpoint, FSDP2 (--fsdp_*), tracking, presets (--config):
-                as in llama_zero3.py
+    data, batch, optimizer, loss (--loss_chunk_tokens), eval, checkpoint, FSDP2 (--fsdp_*), tracking, presets
+                (--config): as in llama_zero3.py
 Outputs: --output_dir/{metrics.jsonl, summary.json, checkpoints/step_<N>/, final/ (adapter), final/merged/}.
 """
 
@@ -24,7 +24,6 @@ import math
 from dataclasses import asdict, dataclass
 
 import torch
-import torch.nn.functional as F
 from accelerate.utils import set_seed
 from peft import LoraConfig, get_peft_model  # [LoRA]
 from tqdm.auto import tqdm
@@ -48,6 +47,7 @@ from zero_utils.model import (
 from zero_utils.optim import build_adamw, clip_gradients, describe_param_groups, lr_at, set_lr
 from zero_utils.parallelize import FSDPWrapping, parallelize  # [LoRA] no after_prepare: below
 from zero_utils.qlora import quantization_config  # [LoRA]
+from zero_utils.token_loss import TokenLosses
 
 
 # ---------------------------------------------------------------------------------------------- settings
@@ -76,6 +76,7 @@ class Settings:
     warmup_steps: int = flag(10, "linear warmup steps", min=0)
     lr_schedule: str = flag("cosine", "decay after warmup", choices=["cosine", "constant"])
     max_grad_norm: float = flag(1.0, "clip the global gradient norm to this", min=0.0)
+    loss_chunk_tokens: int = flag(1024, "tokens per chunk of the output head and loss (0 = whole logits)", min=0)
     max_bad_steps: int = flag(0, "non-finite losses tolerated (their updates skipped) before the run stops", min=0)
     seed: int = flag(42, "seed for init, data order and the eval split")
     eval_fraction: float = flag(0.05, "fraction held out when the dataset has no validation split", min=0.0)
@@ -143,6 +144,7 @@ def main(cfg: Settings) -> None:
     param_groups = describe_param_groups(optimizer)  # decay / no-decay: the same under every engine
     model, optimizer = accelerator.prepare(model, optimizer)
     # [LoRA] no after_prepare (the fp32-master restore under DeepSpeed): the trainable adapters are new tensors
+    token_losses = TokenLosses(model, cfg.loss_chunk_tokens, train_data.ignore_index, accelerator)  # chunked head
     run_config = {**asdict(cfg), "engine": engine.name, "world_size": world, "num_params": num_params,
                   "optimizer_param_groups": param_groups, "mixed_precision": accelerator.mixed_precision,
                   "global_batch_rows": train_data.global_batch_rows}
@@ -162,9 +164,7 @@ def main(cfg: Settings) -> None:
     accelerator.print(train_data.describe())  # the batch arithmetic and the packed data
 
     def token_loss_sum(micro):  # summed over the micro-batch's answer tokens
-        logits = model(**micro.inputs).logits
-        return F.cross_entropy(logits.float().flatten(0, 1), micro.labels.flatten(),
-                               ignore_index=train_data.ignore_index, reduction="sum")
+        return token_losses(model, micro).sum()
 
     def evaluate(step):  # mean loss over the held-out answer tokens, every --eval_every steps and at the end
         due = step == cfg.max_steps or (cfg.eval_every and step % cfg.eval_every == 0)

@@ -23,6 +23,8 @@ Features, the flag that controls each, and its cost:
                 is the mean over the global batch's answer tokens, so in fp32 the engine never changes the maths
                 (in bf16 each engine rounds its own way: docs/PRECISION.md)
     optimizer   AdamW (--lr, --weight_decay), warmup (--warmup_steps) then --lr_schedule, --max_grad_norm
+    loss        output head + cross-entropy over --loss_chunk_tokens tokens at a time (0 = whole logits): a
+                micro-batch's fp32 logits never exist whole; each chunk's recomputed in backward (+1/3 head FLOPs)
     eval        --eval_fraction held out (or the dataset's validation split), every --eval_every steps
     checkpoint  --save_every steps, --keep_last, --resume auto|PATH, --overwrite (one save: model + optimizer)
     FSDP2       block-by-block wrapping; --fsdp_reshard_last_block, --fsdp_embedding_group, --fsdp_prefetch_blocks
@@ -37,7 +39,6 @@ import math
 from dataclasses import asdict, dataclass
 
 import torch
-import torch.nn.functional as F
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
@@ -57,6 +58,7 @@ from zero_utils.model import (
 )
 from zero_utils.optim import build_adamw, clip_gradients, describe_param_groups, lr_at, set_lr
 from zero_utils.parallelize import FSDPWrapping, after_prepare, parallelize
+from zero_utils.token_loss import TokenLosses
 
 
 # ---------------------------------------------------------------------------------------------- settings
@@ -79,6 +81,7 @@ class Settings:
     warmup_steps: int = flag(10, "linear warmup steps", min=0)
     lr_schedule: str = flag("cosine", "decay after warmup", choices=["cosine", "constant"])
     max_grad_norm: float = flag(1.0, "clip the global gradient norm to this", min=0.0)
+    loss_chunk_tokens: int = flag(1024, "tokens per chunk of the output head and loss (0 = whole logits)", min=0)
     max_bad_steps: int = flag(0, "non-finite losses tolerated (their updates skipped) before the run stops", min=0)
     seed: int = flag(42, "seed for init, data order and the eval split")
     eval_fraction: float = flag(0.05, "fraction held out when the dataset has no validation split", min=0.0)
@@ -141,6 +144,7 @@ def main(cfg: Settings) -> None:
     param_groups = describe_param_groups(optimizer)  # decay / no-decay: the same under every engine
     model, optimizer = accelerator.prepare(model, optimizer)
     after_prepare(model, accelerator, engine, cfg.model, cfg.revision)  # [DeepSpeed] fp32 master from the weights
+    token_losses = TokenLosses(model, cfg.loss_chunk_tokens, train_data.ignore_index, accelerator)  # chunked head
     run_config = {**asdict(cfg), "engine": engine.name, "world_size": world, "num_params": num_params,
                   "optimizer_param_groups": param_groups, "mixed_precision": accelerator.mixed_precision,
                   "global_batch_rows": train_data.global_batch_rows}
@@ -159,9 +163,7 @@ def main(cfg: Settings) -> None:
     accelerator.print(train_data.describe())  # the batch arithmetic and the packed data
 
     def token_loss_sum(micro):  # summed over the micro-batch's answer tokens
-        logits = model(**micro.inputs).logits
-        return F.cross_entropy(logits.float().flatten(0, 1), micro.labels.flatten(),
-                               ignore_index=train_data.ignore_index, reduction="sum")
+        return token_losses(model, micro).sum()
 
     def evaluate(step):  # mean loss over the held-out answer tokens, every --eval_every steps and at the end
         due = step == cfg.max_steps or (cfg.eval_every and step % cfg.eval_every == 0)

@@ -57,6 +57,14 @@ def isolated_env(tmp_root: Path) -> dict:
     return env
 
 
+# Every recipe launch of the tests computes its loss in chunks of 40 tokens, unless the test passes its own
+# --loss_chunk_tokens: fewer tokens than any micro-batch of the tests and no divisor of their row lengths (64, 128,
+# 256), so each shared run goes through the chunked output head (the default 1024 would hold their rows whole).
+LOSS_CHUNK = ("--loss_chunk_tokens", "40")
+WHOLE_LOGITS = ("--loss_chunk_tokens", "0")  # the twin of a chunked run: the whole logits at once
+LOSS_PROBE = {"ZERO_RECIPES_HARNESS_LOSS_PROBE": "1"}  # tests/scripts/loss_probe.py
+
+
 def launch(output_dir: Path, *recipe_args: str, config: str | None = None, num_processes: int | None = 2,
            mixed_precision: str | None = None, recipe: str = "recipes/llama_zero3.py", launch_args: tuple = (),
            env: dict | None = None, timeout: int = 600) -> Run:
@@ -66,6 +74,7 @@ def launch(output_dir: Path, *recipe_args: str, config: str | None = None, num_p
     script = REPO / recipe
     if recipe.startswith("recipes/"):  # a recipe runs unchanged, with the tests' probes attached from outside
         env, script = {**env, "ZERO_RECIPES_HARNESS_RECIPE": recipe}, HARNESS
+        recipe_args = (*LOSS_CHUNK, *recipe_args)  # a flag the test gives comes later and wins
     cmd = accelerate_launch_command(script, ["--output_dir", output_dir, *recipe_args],
                                     config_file=config_file(config) if config else None, num_processes=num_processes,
                                     main_process_port=free_port(), mixed_precision=mixed_precision,
@@ -129,3 +138,24 @@ def run_layout(runs, small_model):
         return runs(f"zm-{engine}-{world}-{batch}x{accumulation}", *args, config=engine, num_processes=world,
                     mixed_precision="no").check()
     return get
+
+
+def assert_chunked_equals_whole(chunked: Run, whole: Run, weights: str = "final/model.safetensors") -> None:
+    """A run with the loss in chunks (`LOSS_CHUNK`) and its `--loss_chunk_tokens 0` twin trained alike (fp32).
+
+    Chunking changes one thing: the head's weight gradient sums its tokens chunk by chunk, in another order. At step
+    1 (the same weights) the gradient norms agree to 1e-7 (measured: <= 5e-9) and the losses to 2e-6 at every step
+    (<= 8.5e-7). Over 8 Adam steps that rounding grows as any reduction order's does (tests/test_zero_math.py's
+    engines against one process): later gradient norms within 1e-4 (4.8e-5 at a step whose norm doubles), final
+    weights within 1e-4 (2.8e-5); a lost or double-counted chunk moves them by percents."""
+    import torch
+    from safetensors.torch import load_file
+
+    got, want = chunked.metrics(), whole.metrics()
+    assert [m["loss"] for m in got] == pytest.approx([m["loss"] for m in want], rel=2e-6)
+    assert got[0]["grad_norm"] == pytest.approx(want[0]["grad_norm"], rel=1e-7)
+    assert [m["grad_norm"] for m in got] == pytest.approx([m["grad_norm"] for m in want], rel=1e-4)
+    tensors, ref_tensors = load_file(chunked.output_dir / weights), load_file(whole.output_dir / weights)
+    assert tensors.keys() == ref_tensors.keys()
+    for name, tensor in tensors.items():
+        torch.testing.assert_close(tensor, ref_tensors[name], rtol=0, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}")

@@ -83,7 +83,8 @@ LAYERS = [
     {"errors", "versions"},
     {"engine", "stop_signals", "distributed", "cli", "launcher", "attention", "sft_examples", "hub"},
     {"accelerator", "wrapping", "optim", "memory_formulas", "qlora", "packing", "data_sources"},
-    {"deepspeed_setup", "checkpoint_storage", "measurement", "evidence", "compare_report", "prepared_rows"},
+    {"deepspeed_setup", "checkpoint_storage", "measurement", "evidence", "compare_report", "prepared_rows",
+     "token_loss"},
     {"model", "checkpoint_export", "data"},
     {"parallelize", "memory_estimate", "checkpoint"},
     {"memory", "tracking"},
@@ -266,7 +267,7 @@ def test_fast_tier_launches_each_engine_family_and_reaches_every_module():
 def test_recipe_reads_as_components(recipe):
     """The recipe's shape as docs/ARCHITECTURE.md states it: a loop of at most 30 lines; no engine tested in it
     (engine-specific steps live in zero_utils.parallelize); an incompatible checkpoint refused before the model is
-    loaded; the full recipe imports at most 9 zero_utils modules (the LoRA one at most 3 more, on [LoRA] lines)."""
+    loaded; the full recipe imports at most 10 zero_utils modules (the LoRA one at most 3 more, on [LoRA] lines)."""
     tree = ast.parse((REPO / recipe).read_text())
     main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
     loop = next(n for n in ast.walk(main) if isinstance(n, ast.For) and getattr(n.target, "id", "") == "step")
@@ -280,7 +281,7 @@ def test_recipe_reads_as_components(recipe):
                    and (getattr(n.func, "id", None) == name or getattr(n.func, "attr", None) == name))
 
     assert first_call("check") < first_call("load_causal_lm")
-    assert len(zero_utils_imports(REPO / "recipes/llama_zero3.py")) <= 9
+    assert len(zero_utils_imports(REPO / "recipes/llama_zero3.py")) <= 10
     # the LoRA recipe's further modules are its own [LoRA] lines: distributed, deepspeed_setup, qlora
     extra = zero_utils_imports(REPO / recipe) - zero_utils_imports(REPO / "recipes/llama_zero3.py")
     marked = [line for line in (REPO / recipe).read_text().splitlines() if line.startswith("from zero_utils")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, WHOLE_LOGITS, assert_chunked_equals_whole
 from safetensors.torch import load_file
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -84,3 +84,11 @@ def test_lora_resumed_at_step_4_continues_as_if_never_stopped(runs, base_model, 
         if "lora_B" in name:
             assert tensor.abs().min() > 0, name  # trained everywhere: a reverted slice would be zeros again
         torch.testing.assert_close(resumed_adapter[name], tensor, rtol=0, atol=1e-6, msg=name)
+
+
+def test_lora_chunked_loss_trains_as_the_whole_logits(runs, base_model):
+    """LoRA under ZeRO-3 with the loss in chunks (PEFT wraps the model; the head is the base's, frozen and
+    partitioned) trains the adapters as the whole logits do: the same losses, gradient norms and final adapter."""
+    chunked = lora_run(runs, base_model, "zero3")
+    whole = lora_run(runs, base_model, "zero3", *WHOLE_LOGITS, name="lora-zero3-whole")
+    assert_chunked_equals_whole(chunked, whole, weights="final/adapter_model.safetensors")

@@ -376,3 +376,20 @@ def test_summary_table_shows_the_ranks_when_they_differ_by_more_than_5_percent()
     rows = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in tracking.summary_table(gpu).splitlines())
     assert rows["peak reserved per rank (max)"] == "130.0 MB (ranks differ by 23%: rank 0 100.0 MB, rank 1 130.0 MB)"
     assert measurement.rank_spread([100, 110]) == pytest.approx(10 / 110) and measurement.rank_spread(None) is None
+
+
+def test_chunked_loss_holds_one_chunk_of_logits(capsys):
+    """Llama-3 8B's vocabulary at 4,096 tokens: the whole bf16 logits and their fp32 copy are 4096 x 128256 x 6 B =
+    3.15 GB; the recipes' default --loss_chunk_tokens 1024 keeps a quarter of that; the CLI says which it assumed."""
+    arch = formulas.architecture_from_sizes(8 * 10**9, hidden_size=4096, num_layers=32, vocab_size=128_256,
+                                            intermediate_size=14_336, num_heads=32)
+    whole, chunked = (formulas.activation_bytes(arch, seq_len=4096, micro_batch_size=1, activation_checkpointing=True,
+                                                loss_chunk_tokens=chunk) for chunk in (0, 1024))
+    assert whole - chunked == (4096 - 1024) * 128_256 * 6
+    small = formulas.activation_bytes(arch, seq_len=512, micro_batch_size=1, activation_checkpointing=True,
+                                      loss_chunk_tokens=1024)  # a micro-batch smaller than a chunk: all of it
+    assert small == formulas.activation_bytes(arch, seq_len=512, micro_batch_size=1, activation_checkpointing=True)
+    argv = ["--params", "8B", "--hidden_size", "4096", "--num_layers", "32", "--vocab_size", "128256"]
+    assert memory.main(argv) == 0 and "loss over 1024-token chunks" in capsys.readouterr().out
+    assert memory.main([*argv, "--loss_chunk_tokens", "0"]) == 0
+    assert "loss over the whole logits" in capsys.readouterr().out

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import EIGHT_STEPS, isolated_env
+from conftest import EIGHT_STEPS, WHOLE_LOGITS, assert_chunked_equals_whole, isolated_env
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -182,3 +182,18 @@ def test_recipe_loads_pretrained_weights_through_rank0_and_keeps_them(runs, smal
     original = load_file(path / "model.safetensors")
     assert set(exported) == set(original)
     assert all(torch.equal(exported[k], original[k]) for k in original)
+
+
+@pytest.mark.parametrize("engine", ["fsdp2", "zero3"])
+def test_tied_head_chunked_loss_trains_as_the_whole_logits(runs, family_model, engine):
+    """Gemma ties its output head to the input embedding: the chunk loop inside the head's forward reads the tied
+    weight as the engine gathered it (FSDP2: the head group holds the embedding too; ZeRO-3: gathered for the
+    head's forward and again for its backward), and trains as the whole logits do (fp32). The FSDP2 chunked run is
+    the family test's."""
+    model, _, config = family_model("gemma")
+    assert config.tie_word_embeddings
+    args = ("--model", model, "--max_steps", "3", "--seq_len", "64", "--eval_fraction", "0", "--max_new_tokens", "0",
+            "--report_to", "none", "--warmup_steps", "1", "--per_device_batch_size", "2")
+    chunked = runs(f"family-gemma-{engine}", *args, config=engine, mixed_precision="no").check()
+    whole = runs(f"family-gemma-{engine}-whole", *args, *WHOLE_LOGITS, config=engine, mixed_precision="no").check()
+    assert_chunked_equals_whole(chunked, whole)

@@ -12,7 +12,7 @@ import json
 
 import pytest
 import torch
-from conftest import EIGHT_STEPS, Run
+from conftest import EIGHT_STEPS, LOSS_PROBE, WHOLE_LOGITS, Run, assert_chunked_equals_whole, isolated_env
 from safetensors.torch import load_file
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -126,3 +126,33 @@ def test_fsdp2_reshard_setting_decides_what_stays_gathered(runs, config):
     else:
         assert report["unsharded_bytes"] == report["last_block_bytes"] + report["norm_and_head_bytes"]
         assert report["unsharded_bytes"] < 0.5 * report["full_param_bytes"]
+
+
+
+def whole_logits_run(runs, small_model, session_root, engine: str) -> Run:
+    """The twin of the shared 2-rank run with the whole logits at once; the FSDP2 one carries the loss probe."""
+    return runs(f"zm-{engine}-2-4x1-whole", *EIGHT_STEPS, "--model", small_model, "--per_device_batch_size", "4",
+                *WHOLE_LOGITS, config=engine, mixed_precision="no",
+                env={**isolated_env(session_root), **(LOSS_PROBE if engine == "fsdp2" else {})}).check()
+
+
+@pytest.mark.parametrize("engine", ["ddp", "zero3", "fsdp2"])
+def test_chunked_loss_trains_as_the_whole_logits(runs, run_layout, small_model, session_root, engine):
+    """The shared runs compute the loss 40 tokens at a time inside the output head (untied here; the tied head:
+    tests/test_wrapping.py); the same run with the whole logits trains alike."""
+    assert_chunked_equals_whole(run_layout(engine, 2, 4, 1), whole_logits_run(runs, small_model, session_root, engine))
+
+
+def test_no_full_vocabulary_tensor_in_a_chunked_step(runs, small_model, session_root):
+    """A probe around the unchanged recipe (tests/scripts/loss_probe.py) records every op's output during step 1
+    under FSDP2: chunked, no logits-shaped tensor holds more than a chunk's 40 tokens (forward and backward,
+    transients included), where the whole-logits twin creates the micro-batch's 4 x 64 = 256; and the output head's
+    group is all-gathered once for the micro-batch, not once per chunk."""
+    probe = runs("zm-fsdp2-2-4x1-loss-probe", *EIGHT_STEPS, "--model", small_model, "--per_device_batch_size", "4",
+                 "--max_steps", "2", config="fsdp2", mixed_precision="no",
+                 env={**isolated_env(session_root), **LOSS_PROBE}).check()
+    whole = whole_logits_run(runs, small_model, session_root, "fsdp2")
+    for run, tokens in ((probe, 40), (whole, 4 * 64)):
+        for rank in run.summary()["loss_probe_per_rank"]:
+            assert rank["max_logits_tokens"] == tokens and rank["vocab"] > 256
+            assert rank["head_all_gathers"] == 1

@@ -91,6 +91,9 @@ def _parser() -> argparse.ArgumentParser:
     activations.add_argument("--activation_checkpointing", action="store_true", help="keep only block inputs")
     activations.add_argument("--attention", default=d.attention, choices=["sdpa", "eager"], help="sdpa and "
                              "flash keep no seq_len^2 scores (default: %(default)s)")
+    activations.add_argument("--loss_chunk_tokens", type=int, default=d.loss_chunk_tokens, metavar="N", help="the "
+                             "recipes' flag: logits of N tokens at a time; 0 = the whole micro-batch's "
+                             "(default: %(default)s)")
     for name, help_text in (("hidden_size", "needed with --num_layers and --vocab_size"), ("num_layers", ""),
                             ("vocab_size", ""), ("intermediate_size", "gated MLP; default 4 x hidden, GPT's MLP"),
                             ("num_heads", "needed for --attention eager")):
@@ -125,7 +128,7 @@ def _setup_from_args(args) -> Setup:
                  offload_optimizer=args.offload_optimizer, offload_params=args.offload_params, arch=arch,
                  seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
                  activation_checkpointing=args.activation_checkpointing, attention=args.attention,
-                 formula=args.formula)
+                 loss_chunk_tokens=args.loss_chunk_tokens, formula=args.formula)
 
 
 
@@ -134,13 +137,14 @@ def format_report(data: dict, unit: str = "GB") -> str:
     scale, inputs = (1e9 if unit == "GB" else 2**30), data["inputs"]
     precision = "bf16 mixed precision (fp32 master)" if inputs["dtype"] == "bf16" else "fp32"
     trained = f", {inputs['lora_fraction']:g} trainable" if inputs["lora_fraction"] < 1 else ""
+    loss = f"{inputs['loss_chunk_tokens']}-token chunks" if inputs["loss_chunk_tokens"] else "the whole logits"
     lines = [f"Per-GPU memory in {unit} (1 {unit} = {'1e9' if unit == 'GB' else '2^30'} bytes); cpu/rank = host "
              "memory per rank.",
              f"{inputs['num_params']:,} params{trained}, {inputs['num_gpus']} GPUs x {inputs['num_nodes']} node(s), "
              f"{precision}, {inputs['optimizer']}.",
              f"Activations: seq_len {inputs['seq_len']}, micro-batch {inputs['micro_batch_size']}, "
              f"{inputs['attention']} attention, activation checkpointing "
-             f"{'on' if inputs['activation_checkpointing'] else 'off'}.", ""]
+             f"{'on' if inputs['activation_checkpointing'] else 'off'}, loss over {loss}.", ""]
     columns = ("params", "grads", "optimizer", "states", "activations", "transient", "total", "cpu/rank")
     keys = ("params_bytes", "grads_bytes", "optimizer_bytes", "model_state_bytes", "activation_bytes",
             "transient_bytes", "total_bytes", "cpu_bytes")

@@ -88,6 +88,7 @@ class Setup:
     micro_batch_size: int = 1
     activation_checkpointing: bool = False
     attention: str = "sdpa"
+    loss_chunk_tokens: int = 1024  # the recipes' default
     formula: str = "engine"
 
 
@@ -140,7 +141,8 @@ def estimate(setup: Setup, engines: tuple[Engine, ...] = ENGINES) -> list[Engine
         if setup.arch is not None:
             activations = activation_bytes(setup.arch, seq_len=setup.seq_len, micro_batch_size=setup.micro_batch_size,
                                            activation_checkpointing=setup.activation_checkpointing,
-                                           attention=setup.attention, dtype=setup.dtype)
+                                           attention=setup.attention, dtype=setup.dtype,
+                                           loss_chunk_tokens=setup.loss_chunk_tokens)
             transient = transient_bytes(engine, setup.arch, dtype=setup.dtype, trainable_fraction=setup.lora_fraction)
         results.append(EngineEstimate(engine, states, activations, transient))
     return results

@@ -24,7 +24,8 @@ I = intermediate size, L = layers, V = vocab), in bytes for 16-bit activations:
     Their MLP is GPT's (I = 4h): 19 sbh = sb*(3h + 4I). A gated (SwiGLU, Llama) MLP keeps two more I-wide
     tensors: sb*(3h + 8I). Flash/sdpa attention keeps no s x s matrices: the 5 a s^2 b term disappears.
     With activation checkpointing only each layer's input (2 sbh) is kept, plus one layer's full activations
-    while it is recomputed. Logits add s*b*V*(2 + 4) (16-bit logits and their fp32 upcast for the loss).
+    while it is recomputed. Logits add s*b*V*(2 + 4) (16-bit logits and their fp32 upcast for the loss); with
+    the recipes' --loss_chunk_tokens C (zero_utils.token_loss) only min(C, s*b) tokens' logits exist at once.
     fp32 training doubles the layer terms (4-byte activations).
 
 Transient peaks (engine buffers and gathered parameters, in the compute dtype, on top of model states):
@@ -288,9 +289,11 @@ def architecture_from_sizes(num_params: int, hidden_size: int, num_layers: int, 
 
 
 def activation_bytes(arch: Architecture, *, seq_len: int, micro_batch_size: int, activation_checkpointing: bool,
-                     attention: str = "sdpa", dtype: str = "bf16") -> int:
+                     attention: str = "sdpa", dtype: str = "bf16", loss_chunk_tokens: int = 0) -> int:
     """Activation bytes per GPU for one micro-batch of a decoder (formula and source: module docstring).
-    `attention`: 'sdpa' (also flash) or 'eager'; `dtype`: 'bf16' or 'fp32'. The same for every engine."""
+    `attention`: 'sdpa' (also flash) or 'eager'; `dtype`: 'bf16' or 'fp32'; `loss_chunk_tokens`: the recipes'
+    --loss_chunk_tokens (the logits of at most that many tokens exist at once; 0 = the whole micro-batch's). The
+    same for every engine."""
     s, b, h = seq_len, micro_batch_size, arch.hidden_size
     mlp = 3 * h + (8 if arch.gated_mlp else 4) * arch.intermediate_size
     layer = s * b * (15 * h + mlp)
@@ -300,7 +303,8 @@ def activation_bytes(arch: Architecture, *, seq_len: int, micro_batch_size: int,
         layer += 5 * arch.num_heads * s * s * b
     layers = arch.num_layers * 2 * s * b * h + layer if activation_checkpointing else arch.num_layers * layer
     element_bytes = 4 if dtype == "fp32" else 2
-    return layers * element_bytes // 2 + s * b * arch.vocab_size * (element_bytes + 4)
+    loss_tokens = min(loss_chunk_tokens, s * b) if loss_chunk_tokens else s * b
+    return layers * element_bytes // 2 + loss_tokens * arch.vocab_size * (element_bytes + 4)
 
 
 def transient_bytes(engine: Engine, arch: Architecture, *, dtype: str = "bf16", trainable_fraction: float = 1.0) -> int:

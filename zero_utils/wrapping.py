@@ -196,14 +196,19 @@ def _final_norm(model: nn.Module, blocks: list[nn.Module]) -> nn.Module | None:
 
 
 def reshard_after_inference(model: nn.Module) -> None:
-    """Free the full parameters FSDP2 still holds after a forward that had no backward (eval, generation).
+    """Free the full parameters FSDP2 still holds after a forward that had no backward (eval, generation), and forget
+    that forward's order.
 
     Groups built with `reshard_after_forward=False` (the last block, the output head, the root) keep their
     gathered parameters until backward; after inference there is no backward, so they would stay unsharded and
-    cost memory until the next training step. A no-op for models that are not FSDP2 modules.
+    cost memory until the next training step. FSDP2 also records every forward's group order for backward
+    prefetching and clears it only at the end of a backward: after an inference forward the next backward reads the
+    stale order and all-gathers the output-head group a second time, after its own backward. The root's
+    `reset_iter_state()` (torch >= 2.13) reshards every group and clears that order. A no-op for models that are not
+    FSDP2 modules.
     """
     from torch.distributed.fsdp import FSDPModule
 
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
+    root = next((module for module in model.modules() if isinstance(module, FSDPModule)), None)
+    if root is not None:
+        root.reset_iter_state()

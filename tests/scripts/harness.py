@@ -21,6 +21,8 @@ Switched on by the environment:
     ZERO_RECIPES_HARNESS_UNHASHABLE_TOKENIZER=1  the tokenizer holds a generator: `datasets` cannot hash it
     ZERO_RECIPES_HARNESS_RSS_PROBE=1     + "data_prep_rss_anon_bytes_per_rank": [before, peak during] the data
                                          preparation, RssAnon of the process sampled every 2 ms from /proc
+    ZERO_RECIPES_HARNESS_LOSS_PROBE=1    + "loss_probe_per_rank": the largest logits-shaped tensor step 1 created,
+                                         in tokens, and the output head group's FSDP2 all-gathers (loss_probe.py)
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import loss_probe  # noqa: E402  (tests/scripts: switched on by ZERO_RECIPES_HARNESS_LOSS_PROBE)
 
 _seen: dict = {}  # what the recipe built, captured on its way through zero_utils and accelerate
 
@@ -130,6 +133,16 @@ def _attach_probes() -> None:
             super().__init__(*args, **kwargs)
             _seen["meter"] = self
 
+        def start_step(self):
+            super().start_step()
+            if os.environ.get("ZERO_RECIPES_HARNESS_LOSS_PROBE") == "1":
+                loss_probe.start(self.model, self.accelerator)
+
+        def end_step(self, *args, **kwargs):
+            if os.environ.get("ZERO_RECIPES_HARNESS_LOSS_PROBE") == "1":
+                loss_probe.stop()
+            return super().end_step(*args, **kwargs)
+
     model.load_tokenizer = recorded_tokenizer
     data.TrainingData = RecordedData
     measurement.RunMeasurements = RecordedMeasurements
@@ -167,6 +180,8 @@ def _evidence() -> dict:
         "data_cache_files_written_per_rank": gather_object([_seen["data"].info["cache_files_written"]]),
         "tokenizer_calls_in_data_prep_per_rank": gather_object([_seen["tokenizer_calls_in_data_prep"]]),
         "data_prep_rss_anon_bytes_per_rank": gather_object([_seen.get("data_prep_rss_anon")]),
+        "loss_probe_per_rank": gather_object([loss_probe.result()])
+        if os.environ.get("ZERO_RECIPES_HARNESS_LOSS_PROBE") == "1" else None,
         "weights_digest_per_rank": gather_object([evidence.weights_digest(model)])
         if os.environ.get("ZERO_RECIPES_HARNESS_VERIFY_REPLICAS") == "1" else None,
     }
@@ -189,6 +204,8 @@ def main() -> None:
         import varlen_probe
 
         varlen_probe.install()
+    if os.environ.get("ZERO_RECIPES_HARNESS_LOSS_PROBE") == "1":
+        loss_probe.install()
     _attach_probes()
     recipe = REPO / os.environ.get("ZERO_RECIPES_HARNESS_RECIPE", "recipes/llama_zero3.py")
     sys.argv = [str(recipe), *sys.argv[1:]]
