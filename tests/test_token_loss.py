@@ -1,6 +1,7 @@
 """The chunked output head and loss in process (zero_utils.token_loss): equal to the whole logits' cross-entropy,
 in value and gradient, with tied and untied heads; a model whose logits are not its head's output (Gemma 2's
-soft-capping) takes the unchunked path with one line. The engines' launches: tests/test_chunked_loss.py."""
+soft-capping) takes the unchunked path with one line. The engines' launches:
+tests/test_zero_math.py, tests/test_wrapping.py and tests/test_lora.py (test_*chunked*)."""
 
 from __future__ import annotations
 
