@@ -47,6 +47,7 @@ from zero_utils.accelerator import build_accelerator, close_and_exit
 from zero_utils.checkpoint import Checkpointer
 from zero_utils.cli import flag, run_recipe
 from zero_utils.data import BUNDLED_DATASET, DataSource, TrainingData
+from zero_utils.fit_check import check_fit
 from zero_utils.measurement import RunMeasurements, checkpoint_bytes
 from zero_utils.model import (
     BUNDLED_MODEL,
@@ -106,6 +107,9 @@ class Settings:
     prompt: str = flag("What is the capital of France?", "answered greedily at the end")
     max_new_tokens: int = flag(24, "tokens generated for --prompt", min=0)
     async_save: bool = flag(False, "FSDP2/DDP: write checkpoints in the background while training goes on")
+    device_memory: str = flag("", "memory per rank the fit check plans for: 80GB, 80GiB, 80e9 (default: the GPU's "
+                              "total; on CPU the available host memory / local processes)")
+    fit_check: bool = flag(True, "estimate the peak memory per rank before building the model; stop if it won't fit")
 
 
 def main(cfg: Settings) -> None:
@@ -122,9 +126,17 @@ def main(cfg: Settings) -> None:
         settings=asdict(cfg))
     set_seed(cfg.seed)
 
+    # ------------------------------------------------------------------------------ will it fit
+    model_config = load_config(cfg.model, cfg.trust_remote_code, cfg.revision)
+    # This run's peak memory per rank, estimated term by term, against the device's: every rank stops here, before
+    # the data is prepared and the model built, naming the engine or setting that fits when it does not.
+    fit = check_fit(accelerator, engine, model_config, seq_len=cfg.seq_len, micro_batch_size=cfg.per_device_batch_size,
+                    activation_checkpointing=cfg.gradient_checkpointing, attn_implementation=cfg.attn_implementation,
+                    loss_chunk_tokens=cfg.loss_chunk_tokens, device_memory=cfg.device_memory, enabled=cfg.fit_check,
+                    trust_remote_code=cfg.trust_remote_code)
+
     # ------------------------------------------------------------------------------ data
     tokenizer = load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code, revision=cfg.revision)
-    model_config = load_config(cfg.model, cfg.trust_remote_code, cfg.revision)
     train_data = TrainingData.prepare(  # tokenized and packed once; sliced per step into this rank's micro-batches
         accelerator, tokenizer, model_config, columns=cfg.columns, seq_len=cfg.seq_len,
         dataset=DataSource(cfg.dataset, cfg.dataset_split, cfg.dataset_config, cfg.dataset_revision),
@@ -147,7 +159,7 @@ def main(cfg: Settings) -> None:
     token_losses = TokenLosses(model, cfg.loss_chunk_tokens, train_data.ignore_index, accelerator)  # chunked head
     run_config = {**asdict(cfg), "engine": engine.name, "world_size": world, "num_params": num_params,
                   "optimizer_param_groups": param_groups, "mixed_precision": accelerator.mixed_precision,
-                  "global_batch_rows": train_data.global_batch_rows}
+                  "global_batch_rows": train_data.global_batch_rows, **fit.summary()}
     tracker = tracking.RunTracker(accelerator, cfg.output_dir, cfg.report_to, cfg.project, config=run_config,
                                   run_name=f"{engine}-{world}x", group=cfg.group or None,
                                   resumed=checkpointer.resumed)  # a resumed run continues its W&B run
@@ -213,6 +225,7 @@ def main(cfg: Settings) -> None:
             "engine": engine.name, "world_size": world, "mixed_precision": accelerator.mixed_precision,
             "steps": cfg.max_steps, "final_loss": last.loss if last else None, "eval_loss": eval_loss,
             "perplexity": math.exp(eval_loss) if eval_loss is not None else None, **meter.summary(),
+            **fit.summary(),  # the estimate next to the measured peak_mem_bytes
             "num_params": num_params, "global_batch_rows": train_data.global_batch_rows, "seq_len": cfg.seq_len,
             "data": train_data.info, "optimizer_param_groups": param_groups, "prompt": cfg.prompt, "answer": answer,
             "group": cfg.group or None, "checkpoint": str(final_checkpoint),

@@ -60,6 +60,12 @@ def test_report_has_one_row_per_config_and_the_failure(comparison):
     assert all(row.rstrip(" |").endswith("ok") for row in rows[:3]), rows
     assert f"failed: {FSDP1_ERROR}" in rows[3]
     assert "(1.00x)" in rows[0] and "(0.50x)" in rows[2]  # fsdp2 holds half of DDP's model states on 2 ranks
+    header = [cell.strip() for cell in _table_rows(out / "report.md")[0].split("|")]
+    measured, estimated = header.index("peak memory / rank, MB"), header.index("estimated, MB")
+    for row, config in zip(rows[:3], ("ddp", "zero2", "fsdp2"), strict=True):  # the fit check's estimate, shown
+        summary = json.loads((out / f"{config}-2x" / "summary.json").read_text())
+        cells = [cell.strip() for cell in row.split("|")]
+        assert estimated == measured + 1 and cells[estimated] == f"{summary['peak_mem_bytes_estimated'] / 1e6:,.1f}"
     report = (out / "report.md").read_text()
     assert "same recipe, model, data, seed and global batch (4 rows of 64 tokens" in report
     assert "`fsdp1` (failed: " in report and (out / "fsdp1-2x" / "launch.log").is_file()
@@ -145,7 +151,7 @@ def test_ratios_are_relative_to_the_ddp_row():
     assert ddp["ratio_final_loss"] == 1.0
     assert failed["error"] == "boom | bad" and failed["ratio_tokens_per_s"] is None and failed["world_size"] == 2
     table = compare_report.markdown_table(rows).splitlines()
-    assert table[2].startswith("| fsdp2 | fsdp2 | 2 | 8.00 (0.50x) | 8.00 | 16.0 (0.50x) | 3,000 (0.75x) |")
+    assert table[2].startswith("| fsdp2 | fsdp2 | 2 | 8.00 (0.50x) | 8.00 | 16.0 (0.50x) |  | 3,000 (0.75x) |")
     assert table[4].endswith("| failed: boom \\| bad |")  # a pipe in the error does not break the table
 
 

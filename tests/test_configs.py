@@ -87,7 +87,7 @@ LAYERS = [
      "token_loss"},
     {"model", "checkpoint_export", "data"},
     {"parallelize", "memory_estimate", "checkpoint"},
-    {"memory", "tracking"},
+    {"memory", "tracking", "fit_check"},
     {"compare"},
 ]
 
@@ -267,7 +267,8 @@ def test_fast_tier_launches_each_engine_family_and_reaches_every_module():
 def test_recipe_reads_as_components(recipe):
     """The recipe's shape as docs/ARCHITECTURE.md states it: a loop of at most 30 lines; no engine tested in it
     (engine-specific steps live in zero_utils.parallelize); an incompatible checkpoint refused before the model is
-    loaded; the full recipe imports at most 10 zero_utils modules (the LoRA one at most 3 more, on [LoRA] lines)."""
+    loaded; the fit check made before the data is prepared and the model built; the full recipe imports at most 11
+    zero_utils modules (the LoRA one at most 3 more, on [LoRA] lines)."""
     tree = ast.parse((REPO / recipe).read_text())
     main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
     loop = next(n for n in ast.walk(main) if isinstance(n, ast.For) and getattr(n.target, "id", "") == "step")
@@ -281,7 +282,8 @@ def test_recipe_reads_as_components(recipe):
                    and (getattr(n.func, "id", None) == name or getattr(n.func, "attr", None) == name))
 
     assert first_call("check") < first_call("load_causal_lm")
-    assert len(zero_utils_imports(REPO / "recipes/llama_zero3.py")) <= 10
+    assert first_call("check_fit") < min(first_call("prepare"), first_call("load_causal_lm"))
+    assert len(zero_utils_imports(REPO / "recipes/llama_zero3.py")) <= 11
     # the LoRA recipe's further modules are its own [LoRA] lines: distributed, deepspeed_setup, qlora
     extra = zero_utils_imports(REPO / recipe) - zero_utils_imports(REPO / "recipes/llama_zero3.py")
     marked = [line for line in (REPO / recipe).read_text().splitlines() if line.startswith("from zero_utils")

@@ -27,11 +27,12 @@ def base_model(session_root) -> str:
 
 
 LORA_ARGS = ("--max_steps", "6", "--save_every", "4", "--seq_len", "64", "--lora_dropout", "0", "--eval_fraction", "0",
-             "--max_new_tokens", "0", "--report_to", "none", "--merge")
+             "--max_new_tokens", "0", "--report_to", "none", "--merge", "--device_memory", "1TB")
 
 
 def lora_run(runs, base_model: str, engine: str, *extra: str, name: str | None = None):
-    """6 steps of LoRA on 2 ranks, fp32, a checkpoint at step 4 (and the final one at 6)."""
+    """6 steps of LoRA on 2 ranks, fp32, a checkpoint at step 4 (and the final one at 6), its fit check planned for
+    1 TB per rank."""
     return runs(name or f"lora-{engine}", "--model", base_model, *LORA_ARGS, *extra, recipe="recipes/llama_lora.py",
                 config=engine, mixed_precision="no").check()
 
@@ -92,3 +93,31 @@ def test_lora_chunked_loss_trains_as_the_whole_logits(runs, base_model):
     chunked = lora_run(runs, base_model, "zero3")
     whole = lora_run(runs, base_model, "zero3", *WHOLE_LOGITS, name="lora-zero3-whole")
     assert_chunked_equals_whole(chunked, whole, weights="final/adapter_model.safetensors")
+
+
+def test_lora_fit_check_trains_only_the_adapters_in_its_estimate(runs, base_model, capsys):
+    """The fit check's estimate of a LoRA run (kept in summary.json) is `python -m zero_utils.memory` with
+    --lora_fraction = the adapters' parameters over the base's, counted here on a real PEFT model; the run started
+    under the generous --device_memory 1TB."""
+    import json
+
+    from conftest import LOSS_CHUNK
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from zero_utils import memory
+
+    summary = lora_run(runs, base_model, "fsdp2").summary()
+    base = AutoModelForCausalLM.from_pretrained(base_model)
+    base_params = sum(p.numel() for p in base.parameters())
+    peft_model = get_peft_model(base, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear",
+                                                 task_type="CAUSAL_LM"))
+    fraction = sum(p.numel() for p in peft_model.parameters() if p.requires_grad) / base_params
+    assert 0 < fraction < 0.2
+    assert memory.main(["--model", base_model, "--num_gpus", "2", "--dtype", "fp32", "--seq_len", "64",
+                        "--micro_batch_size", "4", "--loss_chunk_tokens", LOSS_CHUNK[1], "--lora_fraction",
+                        repr(fraction), "--engines", "fsdp2", "--json"]) == 0
+    expected = json.loads(capsys.readouterr().out)["engines"][0]["total_bytes"]
+    assert summary["peak_mem_bytes_estimated"] == expected
+    assert summary["fit_check"]["capacity_bytes"] == 10**12 and summary["fit_check"]["status"] == "fits"
+    assert summary["fit_check"]["capacity_source"] == "--device_memory"

@@ -196,7 +196,7 @@ def test_params_alone_give_no_activations_and_say_why(capsys):
     assert memory.main(["--params", "7B"]) == 0
     assert "activations and transients need the architecture: pass --model" in capsys.readouterr().out
     assert memory.main(["--params", "7B", "--gpu_memory", "80GB"]) == 2
-    assert "--gpu_memory needs activation estimates" in capsys.readouterr().err
+    assert "--device_memory needs activation estimates" in capsys.readouterr().err
 
 
 def _pick(params, num_gpus, gpu_memory, **setup):

@@ -37,7 +37,8 @@ def load_run(run_dir: str | Path) -> dict:
 
 def build_table(runs: list[dict]) -> tuple[list[dict], str | None]:
     """One row per run (load_run's dicts): config, engine, world_size, model_state_bytes and
-    model_state_bytes_expected (per rank), peak_mem_bytes (per rank), tokens_per_s (global, median), step_time_s
+    model_state_bytes_expected (per rank), peak_mem_bytes (per rank) and peak_mem_bytes_estimated (the fit check's
+    estimate before the run, per rank), tokens_per_s (global, median), step_time_s
     (median), final_loss, error; and ratio_<metric> = value / the DDP row's value for each of METRICS.
 
     The baseline is the first successful run whose engine is ddp; without one every ratio is None. Returns (rows,
@@ -49,6 +50,7 @@ def build_table(runs: list[dict]) -> tuple[list[dict], str | None]:
         row = {"config": run["config"], "engine": s.get("engine"),
                "world_size": s.get("world_size", run["record"].get("num_processes")),
                "model_state_bytes_expected": s.get("model_state_bytes_expected"),
+               "peak_mem_bytes_estimated": s.get("peak_mem_bytes_estimated"),
                "error": None if run["summary"] else run["record"].get("error") or "no summary.json"}
         for key in METRICS:
             row[key] = s.get(key)
@@ -67,13 +69,14 @@ def markdown_table(rows: list[dict]) -> str:
         return format(row[key] / scale, spec) + (f" ({ratio:.2f}x)" if ratio is not None else "")
 
     header = ["config", "engine", "world size", "model states / rank, MB (measured)", "expected, MB",
-              "peak memory / rank, MB", "tokens/s", "step time, s", "final loss", "status"]
+              "peak memory / rank, MB", "estimated, MB", "tokens/s", "step time, s", "final loss", "status"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         status = "ok" if not row["error"] else "failed: " + row["error"].replace("|", "\\|")
         cells = [row["config"], row["engine"] or "", str(row["world_size"] or ""),
                  cell(row, "model_state_bytes", 1e6), cell(row, "model_state_bytes_expected", 1e6),
-                 cell(row, "peak_mem_bytes", 1e6, ",.1f"), cell(row, "tokens_per_s", spec=",.0f"),
+                 cell(row, "peak_mem_bytes", 1e6, ",.1f"), cell(row, "peak_mem_bytes_estimated", 1e6, ",.1f"),
+                 cell(row, "tokens_per_s", spec=",.0f"),
                  cell(row, "step_time_s", spec=".3f"), cell(row, "final_loss", spec=".4f"), status]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -199,7 +202,9 @@ def write_report(output_dir: Path, runs: list[dict], command: str, group: str | 
              f"Software: {', '.join(f'{k} {v}' for k, v in (first.get('versions') or {}).items())}.", "",
              "MB = 1e6 bytes, per rank (the maximum over ranks). Model states = params + grads + optimizer state, "
              "measured right after the first optimizer step; expected = zero_utils.memory's formula. Peak memory is "
-             "the accelerator allocator's peak on GPU, the process RSS high-water mark on CPU. tokens/s is global and "
+             "the accelerator allocator's peak on GPU, the process RSS high-water mark on CPU (which also holds the "
+             "Python runtime and libraries, several hundred MB the estimate leaves out); estimated = the recipe's fit "
+             "check before the run (zero_utils.fit_check). tokens/s is global and "
              "step time per optimizer step, both medians over steps. "
              + (f"(0.50x) = the value over the `{baseline}` row's value." if baseline else no_baseline),
              "", markdown_table(rows), ""]
@@ -222,10 +227,12 @@ def log_summary_run(output_dir: Path, project: str, group: str, rows: list[dict]
     import wandb
 
     columns = ["config", "engine", "world_size", "model_state_mb", "model_state_expected_mb", "peak_mem_mb",
-               "tokens_per_s", "step_time_s", "final_loss"] + [f"ratio_{k}" for k in METRICS] + ["error"]
+               "peak_mem_estimated_mb", "tokens_per_s", "step_time_s", "final_loss",
+               *(f"ratio_{k}" for k in METRICS), "error"]
     data = [[r["config"], r["engine"], r["world_size"], *(None if r[k] is None else r[k] / 1e6 for k in
-             ("model_state_bytes", "model_state_bytes_expected", "peak_mem_bytes")), r["tokens_per_s"],
-             r["step_time_s"], r["final_loss"], *(r[f"ratio_{k}"] for k in METRICS), r["error"]] for r in rows]
+             ("model_state_bytes", "model_state_bytes_expected", "peak_mem_bytes", "peak_mem_bytes_estimated")),
+             r["tokens_per_s"], r["step_time_s"], r["final_loss"], *(r[f"ratio_{k}"] for k in METRICS), r["error"]]
+            for r in rows]
     run = wandb.init(project=project, group=group, name="summary", job_type="comparison", dir=str(output_dir),
                      mode=mode, config={"configs": [r["config"] for r in rows]})
     table = wandb.Table(columns=columns, data=data)

@@ -1,6 +1,6 @@
 """`python -m zero_utils.memory`: the memory estimator's command line (the estimate: zero_utils.memory_estimate; the
 formulas behind it: zero_utils.memory_formulas). Prints a table (or --json) of the per-GPU bytes of every engine
-and, with --gpu_memory, the cheapest engine that fits and its launch line. A user error prints one line, exit 2.
+and, with --device_memory, the cheapest engine that fits and its launch line. A user error prints one line, exit 2.
 Example: `python -m zero_utils.memory --params 7B --num_gpus 8` (see --help).
 """
 
@@ -12,12 +12,18 @@ import re
 import sys
 
 from zero_utils.errors import UserError
-from zero_utils.memory_estimate import ENGINES, Setup, architecture_from_model, engine_named, estimate, report
+from zero_utils.memory_estimate import (
+    ENGINES,
+    Setup,
+    architecture_from_model,
+    engine_named,
+    estimate,
+    parse_bytes,
+    report,
+)
 from zero_utils.memory_formulas import OPTIMIZERS, architecture_from_sizes
 
 _SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
-_BYTE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
-               "gib": 2**30, "tib": 2**40}
 
 
 def parse_count(text: str, flag: str = "--params") -> int:
@@ -29,18 +35,6 @@ def parse_count(text: str, flag: str = "--params") -> int:
         value = 0
     if value < 1:
         raise UserError(f"{flag} {text!r} is not a positive count; write e.g. 7B, 1.5M, 7e9 or 7000000000.")
-    return value
-
-
-def parse_bytes(text: str, flag: str = "--gpu_memory") -> int:
-    """'80GB', '80GiB', '80e9' -> bytes (GB = 1e9, GiB = 2^30). A bare number is bytes and must be >= 1e6."""
-    match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([kmgt]?i?b)?\s*", text.lower())
-    try:
-        value = round(float(match.group(1)) * _BYTE_UNITS[match.group(2) or "b"]) if match else 0
-    except (ValueError, KeyError):
-        value = 0
-    if value < 10**6:
-        raise UserError(f"{flag} {text!r} is not a memory size; write e.g. 80GB, 80GiB or 80e9 (bytes).")
     return value
 
 
@@ -56,7 +50,7 @@ def _parser() -> argparse.ArgumentParser:
                             "ZeRO-1/2/3 and FSDP2,\nand the cheapest engine that fits (formulas: the docstring "
                             "of zero_utils/memory.py).",
                 epilog="example: python -m zero_utils.memory --model Qwen/Qwen2.5-7B --num_gpus 8 "
-                       "--gpu_memory 80GB --activation_checkpointing")
+                       "--device_memory 80GB --activation_checkpointing")
     d = Setup(num_params=1)  # the defaults live in Setup only
     model = p.add_argument_group("model (one of)")
     model.add_argument("--params", metavar="N", help="parameter count: 7B, 1.5M, 7e9, 7000000000")
@@ -67,8 +61,9 @@ def _parser() -> argparse.ArgumentParser:
     cluster.add_argument("--num_nodes", type=int, default=d.num_nodes, metavar="N",
                          help="ranks = num_gpus x num_nodes (default: %(default)s)")
     cluster.add_argument("--hsdp", action="store_true", help="FSDP2 shards within a node, replicates across nodes")
-    cluster.add_argument("--gpu_memory", metavar="SIZE", help="memory of one GPU (80GB, 80GiB, 80e9): marks what "
-                         "fits and names the cheapest engine that does")
+    cluster.add_argument("--device_memory", "--gpu_memory", dest="device_memory", metavar="SIZE",
+                         help="memory of one GPU (80GB, 80GiB, 80e9): marks what fits and names the cheapest engine "
+                         "that does; the recipes' fit check takes the same flag (--gpu_memory: an alias)")
     training = p.add_argument_group("training")
     training.add_argument("--dtype", default=d.dtype, choices=["bf16", "fp32"], help="bf16 = mixed precision with "
                           "fp32 master weights (default: %(default)s)")
@@ -170,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         setup = _setup_from_args(args)
         engines = tuple(engine_named(name.strip()) for name in args.engines.split(",") if name.strip())
         results = estimate(setup, engines)
-        gpu_memory_bytes = parse_bytes(args.gpu_memory) if args.gpu_memory else None
+        gpu_memory_bytes = parse_bytes(args.device_memory) if args.device_memory else None
         data = report(setup, results, gpu_memory_bytes)
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)

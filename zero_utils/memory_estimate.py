@@ -5,6 +5,7 @@ to change when nothing fits. Its command line is `python -m zero_utils.memory` (
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -25,6 +26,26 @@ from zero_utils.memory_formulas import (
 ENGINES = tuple(Engine.parse(name) for name in ("ddp", "zero1", "zero2", "fsdp2_zero2", "zero3", "fsdp2",
                                                 "zero3_offload", "fsdp2_offload"))
 SAFETY_MARGIN = 0.10
+TIGHT_FRACTION = 0.85  # an estimate above this share of the usable memory fits, with a warning
+_BYTE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
+               "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str, flag: str = "--device_memory") -> int:
+    """'80GB', '80GiB', '80e9' -> bytes (GB = 1e9, GiB = 2^30). A bare number is bytes and must be >= 1e6."""
+    match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([kmgt]?i?b)?\s*", text.lower())
+    try:
+        value = round(float(match.group(1)) * _BYTE_UNITS[match.group(2) or "b"]) if match else 0
+    except (ValueError, KeyError):
+        value = 0
+    if value < 10**6:
+        raise UserError(f"{flag} {text!r} is not a memory size; write e.g. 80GB, 80GiB or 80e9 (bytes).")
+    return value
+
+
+def format_bytes(nbytes: float) -> str:
+    """Bytes as people read them: '812.35 MB' below 1 GB, else '12.34 GB' (MB = 1e6, GB = 1e9 bytes)."""
+    return f"{nbytes / 1e6:.2f} MB" if abs(nbytes) < 1e9 else f"{nbytes / 1e9:.2f} GB"
 
 
 def engine_named(name: str) -> Engine:
@@ -38,10 +59,7 @@ def engine_named(name: str) -> Engine:
 def architecture_from_model(name_or_path: str) -> Architecture:
     """Read a causal LM's `Architecture` from its config alone (a Hub id, a local folder or a config.json path):
     the model is built on the meta device to count parameters exactly; no weights are loaded or downloaded."""
-    from transformers import AutoModelForCausalLM
-
     from zero_utils.model import load_config
-    from zero_utils.wrapping import find_block_classes
 
     if name_or_path.endswith(".json") and not Path(name_or_path).expanduser().is_file():
         raise UserError(f"--model {name_or_path!r} does not exist; pass a model folder, its config.json or a Hub id.")
@@ -50,8 +68,24 @@ def architecture_from_model(name_or_path: str) -> Architecture:
     except (OSError, ValueError) as error:  # not on the Hub / offline, or a config transformers cannot read
         raise UserError(f"--model {name_or_path!r} has no readable config ({str(error).splitlines()[0]}); "
                         "check the name or pass a local config.json.") from None
-    with torch.device("meta"):  # shapes only; ties shared weights like a real build
-        model = AutoModelForCausalLM.from_config(config)
+    return architecture_from_config(config)
+
+
+def meta_model(config, trust_remote_code: bool = False):
+    """The causal LM of a transformers `config` on the meta device: shapes only, no memory used, no weights read;
+    shared weights are tied as in a real build. Under a DeepSpeed ZeRO-3 launch, call it inside
+    `deepspeed_setup.zero3_init_disabled` (transformers would otherwise partition it, a collective)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+
+
+def architecture_from_config(config, model=None) -> Architecture:
+    """The `Architecture` of a transformers causal-LM `config`, counted on `model` (default: `meta_model(config)`)."""
+    from zero_utils.wrapping import find_block_classes
+
+    model = meta_model(config) if model is None else model
     hidden = config.hidden_size
     params = {id(p): p.numel() for p in model.parameters()}
     blocks = [m for m in model.modules() if isinstance(m, tuple(find_block_classes(model)))]
@@ -151,7 +185,7 @@ def estimate(setup: Setup, engines: tuple[Engine, ...] = ENGINES) -> list[Engine
 def fits(result: EngineEstimate, gpu_memory_bytes: int) -> bool:
     """Whether `result`'s total stays within the GPU's bytes less SAFETY_MARGIN. Needs activations (an arch)."""
     if result.total_bytes is None:
-        raise UserError("--gpu_memory needs activation estimates; pass --model, or --hidden_size, --num_layers and "
+        raise UserError("--device_memory needs activation estimates; pass --model, or --hidden_size, --num_layers and "
                         "--vocab_size.")
     return result.total_bytes <= gpu_memory_bytes * (1 - SAFETY_MARGIN)
 
@@ -161,8 +195,10 @@ def cheapest_fit(results: list[EngineEstimate], gpu_memory_bytes: int) -> Engine
     return next((r for r in results if fits(r, gpu_memory_bytes)), None)
 
 
-def launch_command(engine: Engine, num_gpus: int, num_nodes: int = 1, hsdp: bool = False) -> str:
-    """The `accelerate launch` line for `engine` (accelerate's --num_processes counts all nodes' processes)."""
+def launch_command(engine: Engine, num_gpus: int, num_nodes: int = 1, hsdp: bool = False,
+                   recipe: str = "recipes/llama_zero3.py") -> str:
+    """The `accelerate launch` line of `recipe` for `engine` (accelerate's --num_processes counts all nodes'
+    processes)."""
     line = (f"accelerate launch --config_file accelerate_configs/{engine.name}.yaml "
             f"--num_processes {num_gpus * num_nodes}")
     if num_nodes > 1:
@@ -170,7 +206,7 @@ def launch_command(engine: Engine, num_gpus: int, num_nodes: int = 1, hsdp: bool
                  " --main_process_port 29500")
         if hsdp and engine.is_fsdp2:
             line += f" --parallelism_config_dp_replicate_size {num_nodes} --parallelism_config_dp_shard_size {num_gpus}"
-    return line + " recipes/llama_zero3.py"
+    return f"{line} {recipe}"
 
 
 def _notes(setup: Setup) -> list[str]:
@@ -222,3 +258,88 @@ def report(setup: Setup, results: list[EngineEstimate], gpu_memory_bytes: int | 
     }
 
 
+
+
+@dataclass(frozen=True)
+class FitVerdict:
+    """Whether one run fits its device. `total_bytes`: what one rank needs (the estimate's total, plus its offloaded
+    bytes where host memory is the device); `usable_bytes` = capacity x (1 - SAFETY_MARGIN). `status`: 'fits',
+    'tight' (above TIGHT_FRACTION of usable: fits, warned) or 'too_big'; `advice`: for 'too_big', one sentence
+    naming the cheapest engine or setting that fits with its launch line, or, when nothing does, the most offloaded
+    config's need and the number of GPUs that would fit."""
+
+    estimate: EngineEstimate
+    total_bytes: int
+    capacity_bytes: int
+    usable_bytes: int
+    status: str
+    advice: str = ""
+
+
+def _need(result: EngineEstimate, device_is_host: bool) -> int:
+    return result.total_bytes + (result.model_states.cpu_bytes if device_is_host else 0)
+
+
+def _first_fit(setup: Setup, usable: int, device_is_host: bool, engines: tuple[Engine, ...] = ENGINES):
+    return next((r for r in estimate(setup, engines) if _need(r, device_is_host) <= usable), None)
+
+
+def fit_verdict(setup: Setup, engine: Engine, capacity_bytes: int, *, device_is_host: bool = False,
+                recipe: str = "recipes/llama_zero3.py") -> FitVerdict:
+    """Whether a run of `engine` with `setup` (which needs an architecture) fits `capacity_bytes` per rank, by the
+    rule of `fits` (SAFETY_MARGIN kept free), and if not, what does. The advice tries, in order, without CPU
+    offload: another engine with the same settings (ENGINES order: least communication first); then
+    `--gradient_checkpointing`; then also `--per_device_batch_size 1`. When none fits it says so, names the offload
+    config that needs the least device memory (whether it fits or not) and the number of GPUs (nodes doubled, up to
+    1024x) on which an engine fits without offload, with the first of those settings that makes it fit.
+    `device_is_host`: the device is the host's memory (a CPU run), which also holds what an engine offloads, so
+    offload configs are not offered. Launch lines name `recipe`.
+    Engines: all (fsdp2_hsdp as fsdp2 with `setup.hsdp`). Units: bytes."""
+    if setup.arch is None:
+        raise ValueError("fit_verdict needs setup.arch for activations and transients")
+    usable = int(capacity_bytes * (1 - SAFETY_MARGIN))
+    hsdp = engine.hsdp or setup.hsdp
+    mine = estimate(replace(setup, hsdp=hsdp), (replace(engine, hsdp=False),))[0]
+    need = _need(mine, device_is_host)
+
+    def verdict(status: str, advice: str = "") -> FitVerdict:
+        return FitVerdict(mine, need, capacity_bytes, usable, status, advice)
+
+    if need <= usable:
+        return verdict("tight" if need > TIGHT_FRACTION * usable else "fits")
+    in_memory = tuple(e for e in ENGINES if not e.offload)
+    unit, units = ("process", "processes") if device_is_host else ("GPU", "GPUs")
+
+    def line(result: EngineEstimate, trial: Setup, flags: str = "") -> str:
+        command = launch_command(result.engine, trial.num_gpus, trial.num_nodes, trial.hsdp, recipe)
+        return f"{result.engine} fits ({format_bytes(_need(result, device_is_host))} per {unit}): {command}{flags}"
+
+    tried = []  # (settings, the flags that say them)
+    for trial, flags in ((setup, ""), (replace(setup, activation_checkpointing=True), " --gradient_checkpointing"),
+                         (replace(setup, activation_checkpointing=True, micro_batch_size=1),
+                          " --gradient_checkpointing --per_device_batch_size 1 (raise --gradient_accumulation_steps "
+                          "to keep the global batch)")):
+        if all(trial != t for t, _ in tried):
+            tried.append((trial, flags))
+            found = _first_fit(trial, usable, device_is_host, in_memory)
+            if found is not None:
+                return verdict("too_big", line(found, trial, flags))
+    world = setup.num_gpus * setup.num_nodes
+    parts = [f"nothing fits on {world} {units} of {format_bytes(capacity_bytes)}"
+             + ("" if device_is_host else " without CPU offload")]
+    if not device_is_host:
+        offloaded = min(estimate(setup, tuple(e for e in ENGINES if e.offload)), key=lambda r: r.total_bytes)
+        parts.append(f"of the CPU-offload configs {offloaded.engine} needs least: "
+                     + (line(offloaded, setup) if offloaded.total_bytes <= usable else
+                        f"{format_bytes(offloaded.total_bytes)} per GPU"))
+    for nodes in (2**k * setup.num_nodes for k in range(1, 11)):
+        for trial, flags in ((replace(t, num_nodes=nodes, hsdp=False), f) for t, f in tried):
+            found = _first_fit(trial, usable, device_is_host, in_memory)
+            if found is not None:
+                parts.append(f"on {setup.num_gpus * nodes} {units} ({nodes} nodes of {setup.num_gpus}) "
+                             + line(found, trial, flags))
+                return verdict("too_big", "; ".join(parts))
+    least = estimate(tried[-1][0], (in_memory[-1],))[0].activation_bytes
+    parts.append(f"no number of {units} up to {world * 1024} fits: even with --gradient_checkpointing and "
+                 f"--per_device_batch_size 1 the activations alone need {format_bytes(least)}; shorten --seq_len")
+    return verdict("too_big", "; ".join(parts))

@@ -9,10 +9,14 @@ mixed-precision Adam has K = 12):
 
     engine       mixed precision (bf16)          fp32 training, as each engine stores it right after the step
     ddp          16 Psi                          16 Psi (params 4 + grads 4 + Adam 8)
-    zero1/zero2  2 Psi + 14 Psi / N (paper:      4 Psi + 16 Psi / N (fp32 params; fp32 master 4, Adam 8 and an
-                 ZeRO-1 4 Psi + 12 Psi / N)      fp32 gradient partition 4, all partitioned)
-    zero3        16 Psi / N                      24 Psi / N (params 4, master 4, Adam 8, grads 4 + 4, partitioned)
+    zero1/zero2  2 Psi + 18 Psi / N (grads: an   4 Psi + 16 Psi / N (fp32 params; fp32 master 4, Adam 8 and an
+                 fp32 partition + the 16-bit     fp32 gradient partition 4, all partitioned)
+                 grads of ~1/N whole params)
+    zero3        22 Psi / N (params 2, grads     24 Psi / N (params 4, master 4, Adam 8, grads 4 + 4, partitioned)
+                 4 + 4, master 4, Adam 8)
     fsdp2        16 Psi / N                      16 Psi / N (no master copy: the fp32 shard is the master)
+    The ZeRO paper (formula="paper"): DDP 16 Psi, ZeRO-1 4 Psi + 12 Psi / N, ZeRO-2 2 Psi + 14 Psi / N,
+    ZeRO-3 16 Psi / N.
 
 The fp32 column is what DeepSpeed 0.19.8 and torch 2.13 were measured to hold (docs/MEMORY.md). Engines:
 ddp, single, zero1, zero2, zero3 (+_offload), fsdp2, fsdp2_zero2 (+_offload). Units: bytes.
@@ -29,6 +33,7 @@ I = intermediate size, L = layers, V = vocab), in bytes for 16-bit activations:
     fp32 training doubles the layer terms (4-byte activations).
 
 Transient peaks (engine buffers and gathered parameters, in the compute dtype, on top of model states):
+    single       none.
     ddp          one 25 MiB gradient bucket (gradients are views into the buckets: gradient_as_bucket_view=True).
     zero1/zero2  reduce bucket + allgather bucket (DeepSpeed default 5e8 elements).
     zero3        live parameters (stage3_max_live_parameters, 1e9 elements, an upper bound) + reduce bucket
@@ -312,6 +317,8 @@ def transient_bytes(engine: Engine, arch: Architecture, *, dtype: str = "bf16", 
     dtype (the module docstring lists them per engine). Engines: all."""
     element_bytes = 4 if dtype == "fp32" else 2
     psi, h = arch.num_params, arch.hidden_size
+    if engine.family == "single":  # no buckets, nothing gathered
+        return 0
     if engine.is_data_parallel_only:
         return 25 * 2**20  # torch's bucket_cap_mb default
     buckets = deepspeed_bucket_elements(h)

@@ -136,6 +136,8 @@ def summary_table(summary: dict) -> str:
              + spread("peak_mem_bytes", ",.1f")),
             ("model states per rank: measured / expected", fmt((s["model_state_bytes"] or 0) / 1e6, ".2f") + " / "
              + fmt(s["model_state_bytes_expected"] / 1e6, ".2f") + " MB" + spread("model_state_bytes", ".2f"))]
+    if s.get("peak_mem_bytes_estimated") is not None:  # zero_utils.fit_check's estimate, made before the run
+        rows.insert(7, ("peak memory per rank (estimated)", fmt(s["peak_mem_bytes_estimated"] / 1e6, ",.1f") + " MB"))
     if s.get("peak_reserved_bytes") is not None:
         rows.insert(7, ("peak reserved per rank (max)", fmt(s["peak_reserved_bytes"] / 1e6, ",.1f") + " MB"
                         + spread("peak_reserved_bytes", ",.1f")))

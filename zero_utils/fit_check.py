@@ -1,0 +1,166 @@
+"""Will this run fit: a check every recipe makes before it builds the model. It estimates the run's peak memory per
+rank with the memory estimator (zero_utils.memory_estimate: the same numbers `python -m zero_utils.memory` prints
+for the same settings), prints it term by term next to the device's capacity, and applies the estimator's rule
+(`fits`: SAFETY_MARGIN kept free). Within 15% of the usable memory it warns; beyond it, every rank stops with one
+sentence naming the engine or setting that fits and its launch line (`UserError`: exit 2).
+
+Capacity: `--device_memory` if given (to plan for a GPU you do not have); else a CUDA device's total memory, or on
+CPU the host memory available now (psutil, capped by a cgroup limit) shared by the node's local processes. Every
+rank reads its own, and the smallest is the one verdict all ranks act on (one small collective).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import asdict, dataclass, replace
+
+import torch
+
+from zero_utils.deepspeed_setup import zero3_init_disabled
+from zero_utils.distributed import per_rank
+from zero_utils.engine import Engine
+from zero_utils.errors import UserError
+from zero_utils.memory_estimate import (
+    FitVerdict,
+    Setup,
+    architecture_from_config,
+    fit_verdict,
+    format_bytes,
+    meta_model,
+    parse_bytes,
+)
+
+
+@dataclass(frozen=True)
+class FitCheck:
+    """The check's result: the estimate's `setup`, its `verdict` (None with `--no-fit_check`), where the capacity
+    came from (`capacity_source`)."""
+
+    setup: Setup | None
+    verdict: FitVerdict | None
+    capacity_source: str = ""
+
+    def summary(self) -> dict:
+        """For summary.json and the tracker's config: `peak_mem_bytes_estimated` (bytes per rank, next to the
+        measured `peak_mem_bytes`) and `fit_check` (the terms, capacity and verdict; None when skipped)."""
+        if self.verdict is None:
+            return {"peak_mem_bytes_estimated": None, "fit_check": None}
+        v, states = self.verdict, self.verdict.estimate.model_states
+        return {"peak_mem_bytes_estimated": v.total_bytes, "fit_check": {
+            "engine": v.estimate.engine.name, "params_bytes": states.gpu["params"], "grads_bytes": states.gpu["grads"],
+            "optimizer_bytes": states.gpu["optimizer"], "activation_bytes": v.estimate.activation_bytes,
+            "transient_bytes": v.estimate.transient_bytes, "offloaded_bytes": states.cpu_bytes,
+            "total_bytes": v.total_bytes, "capacity_bytes": v.capacity_bytes, "capacity_source": self.capacity_source,
+            "usable_bytes": v.usable_bytes, "status": v.status,
+            "inputs": {k: val for k, val in asdict(self.setup).items() if k != "arch"}}}
+
+
+def host_memory_available_bytes() -> int:
+    """Host memory a process can still take, in bytes: psutil's `available`, capped by the cgroup (v2 or v1)
+    memory limit less its usage where a container sets one."""
+    import psutil
+
+    available = psutil.virtual_memory().available
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            limit, usage = (open(path).read().strip() for path in (limit_file, usage_file))
+            if limit.isdigit() and int(limit) < 2**60:
+                available = min(available, max(0, int(limit) - int(usage)))
+                break
+        except OSError:
+            continue
+    return available
+
+
+def device_capacity(device: torch.device, local_processes: int, device_memory: str = "") -> tuple[int, str]:
+    """(bytes one rank may use, where that number came from): `device_memory` ('80GB', '80GiB', '80e9') if given,
+    else a CUDA device's total memory, else the available host memory / `local_processes`."""
+    if device_memory:
+        return parse_bytes(device_memory, "--device_memory"), "--device_memory"
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory, f"{torch.cuda.get_device_name(device)}"
+    return (host_memory_available_bytes() // local_processes,
+            f"host memory available / {local_processes} local process(es)")
+
+
+def lora_fraction(config, lora_config, trust_remote_code: bool = False) -> float:
+    """The LoRA adapters' parameters over the base model's (both counted on the meta device, nothing allocated):
+    the estimator's --lora_fraction for a run with this peft `LoraConfig`."""
+    from peft import get_peft_model
+
+    base = meta_model(config, trust_remote_code)
+    base_params = sum(p.numel() for p in base.parameters())
+    adapters = sum(p.numel() for p in get_peft_model(base, lora_config).parameters() if p.requires_grad)
+    return adapters / base_params
+
+
+def _recipe_path() -> str:
+    path = os.path.abspath(sys.argv[0])
+    relative = os.path.relpath(path)
+    return path if relative.startswith("..") else relative
+
+
+def _term_line(check: FitCheck) -> str:
+    v, s = check.verdict, check.setup
+    states = v.estimate.model_states
+    precision = "bf16 mixed precision" if s.dtype == "bf16" else "fp32"
+    loss = f"{s.loss_chunk_tokens}-token loss chunks" if s.loss_chunk_tokens else "whole logits"
+    terms = " + ".join(f"{name} {format_bytes(value)}" for name, value in (
+        ("params", states.gpu["params"]), ("grads", states.gpu["grads"]), ("optimizer", states.gpu["optimizer"]),
+        ("activations", v.estimate.activation_bytes), ("transient", v.estimate.transient_bytes)))
+    on_host = v.total_bytes - v.estimate.total_bytes  # what an engine offloads, when host memory is the device
+    if on_host:
+        terms += f" + offloaded {format_bytes(on_host)}"
+    verdict = {"fits": "fits", "tight": "fits, tightly", "too_big": "does NOT fit"}[v.status]
+    offloaded = (f"; {format_bytes(states.cpu_bytes)} per rank offloaded to host memory"
+                 if states.cpu_bytes and not on_host else "")
+    return (f"fit check [{v.estimate.engine}{' HSDP' if s.hsdp else ''}, {s.num_gpus * s.num_nodes} rank(s), "
+            f"{precision}, micro-batch {s.micro_batch_size} x seq_len {s.seq_len}, "
+            f"{'activation checkpointing, ' if s.activation_checkpointing else ''}{loss}"
+            f"{f', LoRA {s.lora_fraction:.4%} trained' if s.lora_fraction < 1 else ''}]: {terms} = "
+            f"{format_bytes(v.total_bytes)} per rank; capacity {format_bytes(v.capacity_bytes)} "
+            f"({check.capacity_source}), usable {format_bytes(v.usable_bytes)} -> {verdict}{offloaded}")
+
+
+def check_fit(accelerator, engine: Engine, model_config, *, seq_len: int, micro_batch_size: int,
+              activation_checkpointing: bool, attn_implementation: str, loss_chunk_tokens: int,
+              device_memory: str = "", enabled: bool = True, lora_config=None, trust_remote_code: bool = False,
+              refuse: bool = True) -> FitCheck:
+    """Estimate this run's peak memory per rank before the model is built, print it term by term next to the
+    capacity, and stop every rank with one sentence (`UserError`) when it does not fit (unless `refuse` is False:
+    then a warning). Every rank must call it (one collective agrees on the smallest capacity). `enabled=False`
+    (`--no-fit_check`) skips it all. `lora_config`: a peft LoraConfig (only the adapters train). Engines: all.
+    Returns a `FitCheck` whose `summary()` goes into summary.json next to the measured peak."""
+    if not enabled:
+        return FitCheck(None, None)
+    with zero3_init_disabled(accelerator):  # the meta builds below must not be partitioned by DeepSpeed
+        arch = architecture_from_config(model_config, meta_model(model_config, trust_remote_code))
+        fraction = lora_fraction(model_config, lora_config, trust_remote_code) if lora_config is not None else 1.0
+    world = accelerator.num_processes
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    setup = Setup(num_params=arch.num_params, num_gpus=local, num_nodes=max(1, world // local), hsdp=engine.hsdp,
+                  dtype="fp32" if accelerator.mixed_precision == "no" else "bf16", lora_fraction=fraction,
+                  arch=arch, seq_len=seq_len, micro_batch_size=micro_batch_size,
+                  activation_checkpointing=activation_checkpointing,
+                  attention="eager" if attn_implementation == "eager" else "sdpa",
+                  loss_chunk_tokens=loss_chunk_tokens)
+    capacity, source = device_capacity(accelerator.device, local, device_memory)
+    capacity = min(per_rank(accelerator, {"capacity": capacity})["capacity"])  # one verdict on every rank
+    verdict = fit_verdict(setup, replace(engine, hsdp=False) if engine.hsdp else engine, capacity,
+                          device_is_host=accelerator.device.type == "cpu", recipe=_recipe_path())
+    check = FitCheck(setup, verdict, source)
+    accelerator.print(_term_line(check))
+    if verdict.status == "tight":
+        accelerator.print(f"warning: the estimate is {verdict.total_bytes / verdict.usable_bytes:.0%} of the usable "
+                          "memory: activations of other shapes, fragmentation or another process may not fit.")
+    elif verdict.status == "too_big":
+        sentence = (f"this run needs an estimated {format_bytes(verdict.total_bytes)} per rank under {engine}, more "
+                    f"than the {format_bytes(verdict.usable_bytes)} usable of {format_bytes(capacity)} "
+                    f"({source}); {verdict.advice}. Pass --no-fit_check to start it anyway.")
+        if refuse:
+            raise UserError(sentence)
+        accelerator.print(f"warning: {sentence}")
+    return check
