@@ -16,7 +16,8 @@ folder (DeepSpeed without its ops: the recipe passes torch AdamW, so none is nee
    DeepSpeed ZeRO-3 (zero3.yaml) when DeepSpeed imports. The bundled instruction data, packed to --seq_len.
 3. Per variant, from the run's own summary.json: tokens/s (median over the steps), MFU against the device's
    published bf16 dense peak and against the measured matmul peak, the peak CUDA memory allocated and reserved
-   (since set-up ended), the model-state bytes measured and expected.
+   (since set-up ended) next to the recipe's fit-check estimate made before the run, the model-state bytes
+   measured and expected.
 MFU = model FLOPs per token x tokens/s / peak, with model FLOPs per token (PaLM, Chowdhery et al. 2022,
 appendix B) = 6 N + 12 L h s: N = parameters in matmuls (all but the input embedding, a lookup), L layers,
 h hidden size, s seq_len (the full s x s attention, not halved for the causal mask).
@@ -132,7 +133,8 @@ def run_variant(variant: str, model: str, out: Path, env: dict) -> dict:
     shutil.rmtree(out / "final", ignore_errors=True)
     return {"variant": variant, "engine": summary["engine"], "compile": compiled, "wall_s": wall_s,
             **{k: summary[k] for k in ("tokens_per_s", "step_time_s", "peak_mem_bytes", "peak_reserved_bytes",
-                                       "peak_mem_measured", "model_state_bytes", "model_state_bytes_expected",
+                                       "peak_mem_bytes_estimated", "peak_mem_measured", "model_state_bytes",
+                                       "model_state_bytes_expected",
                                        "num_params", "final_loss")}}
 
 
@@ -187,16 +189,16 @@ def main() -> None:
               "matmul_peak_flops": measured_peak, "published_bf16_peak_flops": published, "variants": results,
               "mfu_formula": "(6 * matmul_params + 12 * layers * hidden * seq_len) * tokens_per_s / peak"}
     (output_dir / "gpu.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
-    print("\n| variant | tokens/s | MFU (published peak) | MFU (measured peak) | allocated GiB | reserved GiB |\n"
-          "|---|---|---|---|---|---|")
+    print("\n| variant | tokens/s | MFU (published peak) | MFU (measured peak) | allocated GiB | reserved GiB | "
+          "estimated GiB |\n|---|---|---|---|---|---|---|")
     for r in results:
         if "error" in r:
-            print(f"| {r['variant']} | failed | | | | |")
+            print(f"| {r['variant']} | failed | | | | | |")
             continue
         published_mfu = f"{r['mfu_published_peak']:.1%}" if r["mfu_published_peak"] else "n/a"
         reserved = f"{r['peak_reserved_bytes'] / 2**30:.2f}" if r["peak_reserved_bytes"] else "n/a"
         print(f"| {r['variant']} | {r['tokens_per_s']:,.0f} | {published_mfu} | {r['mfu_measured_peak']:.1%} | "
-              f"{r['peak_mem_bytes'] / 2**30:.2f} | {reserved} |")
+              f"{r['peak_mem_bytes'] / 2**30:.2f} | {reserved} | {r['peak_mem_bytes_estimated'] / 2**30:.2f} |")
     if any("error" in r for r in results):
         sys.exit(1)
 

@@ -15,6 +15,8 @@ Features, the flag that controls each, and its cost:
     export      final/ = the PEFT adapter (adapter_config.json + adapter_model.safetensors): only the trainable
                 tensors are gathered, one at a time; --merge also writes final/merged/, the base with the
                 adapters merged in (on the main process, from the base model on disk)
+    fit check   as in llama_zero3.py, counting only the adapters as trained; with --qlora it warns, never stops
+                (its 4-bit base is estimated as 16-bit)
     data, batch, optimizer, loss (--loss_chunk_tokens), eval, checkpoint, FSDP2 (--fsdp_*), tracking, presets
                 (--config): as in llama_zero3.py
 Outputs: --output_dir/{metrics.jsonl, summary.json, checkpoints/step_<N>/, final/ (adapter), final/merged/}.

@@ -25,6 +25,9 @@ Features, the flag that controls each, and its cost:
     optimizer   AdamW (--lr, --weight_decay), warmup (--warmup_steps) then --lr_schedule, --max_grad_norm
     loss        output head + cross-entropy over --loss_chunk_tokens tokens at a time (0 = whole logits): a
                 micro-batch's fp32 logits never exist whole; each chunk's recomputed in backward (+1/3 head FLOPs)
+    fit check   before the data and the model: this run's peak memory per rank, estimated term by term, against the
+                device's (--device_memory, default the GPU's total); stops every rank naming what fits when it does
+                not, warns within 15%; --no-fit_check skips it (a meta-device build of the model: seconds)
     eval        --eval_fraction held out (or the dataset's validation split), every --eval_every steps
     checkpoint  --save_every steps, --keep_last, --resume auto|PATH, --overwrite (one save: model + optimizer)
     FSDP2       block-by-block wrapping; --fsdp_reshard_last_block, --fsdp_embedding_group, --fsdp_prefetch_blocks

@@ -180,3 +180,43 @@ def test_a_run_that_does_not_fit_stops_every_rank_before_the_model_is_built(runs
     assert sorted(report) == [("0", "2"), ("1", "2")], run.stderr[-3000:]
     assert f"= {totals['ddp'] / 1e6:.2f} MB per rank; capacity" in run.stdout
     assert "tokenize and pack" not in run.output and "engine ddp |" not in run.stdout
+
+
+class OneProcess:
+    """What check_fit reads of an Accelerator, for one CPU process (no process group: nothing to agree on)."""
+
+    num_processes, mixed_precision, device, state = 1, "no", __import__("torch").device("cpu"), None
+
+    def __init__(self):
+        self.printed = []
+
+    def print(self, text):
+        self.printed.append(text)
+
+
+def check_bundled(**kwargs):
+    from zero_utils.fit_check import check_fit
+    from zero_utils.model import BUNDLED_MODEL, load_config
+
+    accelerator = OneProcess()
+    check = check_fit(accelerator, Engine.parse("single"), load_config(BUNDLED_MODEL), seq_len=64, micro_batch_size=4,
+                      activation_checkpointing=False, attn_implementation="", loss_chunk_tokens=40, **kwargs)
+    return check, accelerator.printed
+
+
+def test_check_fit_refuses_warns_or_is_skipped_in_process():
+    from zero_utils.errors import UserError
+
+    check, printed = check_bundled(device_memory="1TB")
+    need = check.verdict.total_bytes
+    assert check.verdict.status == "fits" and len(printed) == 1 and printed[0].startswith("fit check [single, 1 ")
+    assert check.summary()["peak_mem_bytes_estimated"] == need
+    tight, printed = check_bundled(device_memory=str(round(need / 0.9 / 0.9)))
+    assert tight.verdict.status == "tight" and printed[1].startswith("warning: the estimate is 90% of the usable")
+    with pytest.raises(UserError, match=r"^this run needs an estimated .* under single, more than the .*; nothing fits "
+                                        r"on 1 process of 2.00 MB; .*Pass --no-fit_check to start it anyway\.$"):
+        check_bundled(device_memory="2MB")
+    skipped, printed = check_bundled(device_memory="2MB", enabled=False)
+    assert skipped.summary() == {"peak_mem_bytes_estimated": None, "fit_check": None} and printed == []
+    warned, printed = check_bundled(device_memory="2MB", refuse=False)  # QLoRA: counted as 16-bit, never refused
+    assert warned.verdict.status == "too_big" and printed[1].startswith("warning: this run needs an estimated")

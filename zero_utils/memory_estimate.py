@@ -325,7 +325,7 @@ def fit_verdict(setup: Setup, engine: Engine, capacity_bytes: int, *, device_is_
             if found is not None:
                 return verdict("too_big", line(found, trial, flags))
     world = setup.num_gpus * setup.num_nodes
-    parts = [f"nothing fits on {world} {units} of {format_bytes(capacity_bytes)}"
+    parts = [f"nothing fits on {world} {units if world > 1 else unit} of {format_bytes(capacity_bytes)}"
              + ("" if device_is_host else " without CPU offload")]
     if not device_is_host:
         offloaded = min(estimate(setup, tuple(e for e in ENGINES if e.offload)), key=lambda r: r.total_bytes)
