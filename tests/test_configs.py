@@ -47,9 +47,9 @@ def test_config_names_its_engine(name):
         assert fsdp["fsdp_offload_params"] is name.endswith("_offload")
 
 
-def test_recipe_help_runs():
-    out = subprocess.run([sys.executable, str(REPO / "recipes/llama_zero3.py"), "--help"],
-                         capture_output=True, text=True)
+@pytest.mark.parametrize("recipe", ["recipes/llama_zero3.py", "recipes/llama_lora.py", "recipes/llama_dpo.py"])
+def test_recipe_help_runs(recipe):
+    out = subprocess.run([sys.executable, str(REPO / recipe), "--help"], capture_output=True, text=True)
     assert out.returncode == 0
     for flag in ("--model", "--dataset", "--output_dir", "--max_steps", "--per_device_batch_size", "--seq_len",
                  "--gradient_accumulation_steps", "--lr", "--seed", "--save_every", "--resume", "--report_to"):
@@ -81,12 +81,12 @@ def test_zero_utils_never_imports_recipes():
 # zero_utils's layers, bottom first (docs/ARCHITECTURE.md): a module imports only modules of lower layers.
 LAYERS = [
     {"errors", "versions"},
-    {"engine", "stop_signals", "distributed", "cli", "launcher", "attention", "sft_examples", "hub"},
+    {"engine", "stop_signals", "distributed", "cli", "launcher", "attention", "sft_examples", "hub", "preference_loss"},
     {"accelerator", "wrapping", "optim", "memory_formulas", "qlora", "packing", "data_sources"},
     {"deepspeed_setup", "checkpoint_storage", "measurement", "evidence", "compare_report", "prepared_rows",
      "token_loss"},
-    {"model", "checkpoint_export", "data"},
-    {"parallelize", "memory_estimate", "checkpoint"},
+    {"model", "checkpoint_export", "data", "reference_model"},
+    {"parallelize", "memory_estimate", "checkpoint", "preference_data"},
     {"memory", "tracking", "fit_check"},
     {"compare"},
 ]
@@ -263,12 +263,13 @@ def test_fast_tier_launches_each_engine_family_and_reaches_every_module():
     assert modules <= reached, f"no fast test reaches {sorted(modules - reached)}"
 
 
-@pytest.mark.parametrize("recipe", ["recipes/llama_zero3.py", "recipes/llama_lora.py"])
+@pytest.mark.parametrize("recipe", ["recipes/llama_zero3.py", "recipes/llama_lora.py", "recipes/llama_dpo.py"])
 def test_recipe_reads_as_components(recipe):
     """The recipe's shape as docs/ARCHITECTURE.md states it: a loop of at most 30 lines; no engine tested in it
     (engine-specific steps live in zero_utils.parallelize); an incompatible checkpoint refused before the model is
     loaded; the fit check made before the data is prepared and the model built; the full recipe imports at most 11
-    zero_utils modules (the LoRA one at most 3 more, on [LoRA] lines)."""
+    zero_utils modules (the LoRA one at most 3 more, on [LoRA] lines; the DPO one 3 more: its data, loss and
+    reference)."""
     tree = ast.parse((REPO / recipe).read_text())
     main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
     loop = next(n for n in ast.walk(main) if isinstance(n, ast.For) and getattr(n.target, "id", "") == "step")
@@ -286,6 +287,9 @@ def test_recipe_reads_as_components(recipe):
     assert len(zero_utils_imports(REPO / "recipes/llama_zero3.py")) <= 11
     # the LoRA recipe's further modules are its own [LoRA] lines: distributed, deepspeed_setup, qlora
     extra = zero_utils_imports(REPO / recipe) - zero_utils_imports(REPO / "recipes/llama_zero3.py")
+    if recipe.endswith("llama_dpo.py"):
+        assert extra == {"preference_data", "preference_loss", "reference_model"}, extra
+        return
     marked = [line for line in (REPO / recipe).read_text().splitlines() if line.startswith("from zero_utils")
               and "[LoRA]" in line]
     assert all(any(re.search(rf"\b{name}\b", line) for line in marked) for name in extra), (extra, marked)

@@ -1,8 +1,13 @@
 """Regenerate the bundled assets: a small instruction dataset, a BPE tokenizer trained on it, a tiny Llama config.
 
-    python tools/make_assets.py
+    python tools/make_assets.py                      # everything
+    python tools/make_assets.py --preferences_only   # only the preference set (the tokenizer stays as it is)
 
-Writes zero_utils/assets/sft_tiny.jsonl and zero_utils/assets/tiny-llama/ (config.json, tokenizer files).
+Writes zero_utils/assets/sft_tiny.jsonl and zero_utils/assets/tiny-llama/ (config.json, tokenizer files), and
+zero_utils/assets/dpo_tiny.jsonl: preference pairs over the same tasks ({"prompt", "chosen", "rejected"}), the
+chosen answer right, the rejected one a plausible mistake (the country's best-known other city, the operands
+written side by side, the text reversed letter by letter, the numbers left in their order, the word unspelled,
+another color, the digit) that a ~1M-parameter model learns to tell apart within 150 DPO steps.
 Deterministic: the same seed gives the same files, so the committed assets can be checked by re-running this.
 The dataset is synthetic on purpose: short, regular tasks a ~1M-parameter model learns within a few hundred
 optimizer steps on a CPU, so "did fine-tuning work" is visible in minutes, with no download.
@@ -66,6 +71,58 @@ def make_example(rng: random.Random) -> dict:
     return {"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]}
 
 
+PREFERENCE_SEED, NUM_PAIRS = 4321, 2000
+# The city often mistaken for each capital: a larger or better-known city of the same country.
+MISTAKEN_CAPITALS = {
+    "France": "Lyon", "Germany": "Munich", "Italy": "Milan", "Spain": "Barcelona", "Portugal": "Porto",
+    "Japan": "Osaka", "China": "Shanghai", "India": "Mumbai", "Egypt": "Alexandria", "Kenya": "Mombasa",
+    "Canada": "Toronto", "Mexico": "Guadalajara", "Brazil": "Rio de Janeiro", "Peru": "Cusco", "Chile": "Valparaiso",
+    "Norway": "Bergen", "Sweden": "Gothenburg", "Finland": "Tampere", "Poland": "Krakow", "Greece": "Thessaloniki",
+    "Austria": "Salzburg", "Ireland": "Cork", "Turkey": "Istanbul", "Russia": "Saint Petersburg",
+    "Australia": "Sydney",
+}
+
+
+def rejected_answer(example: dict, rng: random.Random) -> str:
+    """A plausible wrong answer to one of `make_example`'s prompts (its kind read back from the prompt)."""
+    prompt, answer = example["messages"][0]["content"], example["messages"][1]["content"]
+    if "capital" in prompt:
+        country = next(c for c in CAPITALS if c in prompt)
+        return f"The capital of {country} is {MISTAKEN_CAPITALS[country]}."
+    if "plus" in prompt or "Add" in prompt or "+" in prompt:
+        a, b = (int(n) for n in answer.split(" is ")[0].split(" plus "))
+        return f"{a} plus {b} is {a}{b}."  # the operands side by side, a classic slip
+    if prompt.startswith("Reverse"):
+        return answer[::-1]  # the text reversed letter by letter, not word by word
+    if "pell" in prompt:
+        return answer.replace("-", "")  # the word, not spelled out
+    if prompt.startswith("Sort"):
+        return prompt.split(": ", 1)[1]  # the numbers in their order
+    if prompt.startswith("What color"):
+        thing = prompt.removeprefix("What color is ").removesuffix("?")
+        wrong = rng.choice(sorted(set(COLORS.values()) - {COLORS[thing]}))
+        return f"{thing[0].upper() + thing[1:]} is {wrong}."
+    return str(NUMBER_WORDS.index(answer))  # the digit, not the word
+
+
+def make_pair(rng: random.Random) -> dict:
+    example = make_example(rng)
+    rejected = rejected_answer(example, rng)
+    while rejected == example["messages"][1]["content"]:  # e.g. numbers already sorted: draw another task
+        example = make_example(rng)
+        rejected = rejected_answer(example, rng)
+    return {"prompt": example["messages"][0]["content"], "chosen": example["messages"][1]["content"],
+            "rejected": rejected}
+
+
+def write_preferences() -> None:
+    rng = random.Random(PREFERENCE_SEED)
+    with open(ASSETS / "dpo_tiny.jsonl", "w") as f:
+        for _ in range(NUM_PAIRS):
+            f.write(json.dumps(make_pair(rng)) + "\n")
+    print(f"wrote {NUM_PAIRS} preference pairs to {ASSETS / 'dpo_tiny.jsonl'}")
+
+
 # A ChatML-style template: the assistant turn is what the loss is computed on (the data module masks the rest).
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
@@ -112,7 +169,10 @@ def main() -> None:
     )
     config.save_pretrained(out)
     print(f"wrote {len(examples)} examples and a {len(fast)}-token tokenizer to {ASSETS}")
+    write_preferences()
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    write_preferences() if "--preferences_only" in sys.argv[1:] else main()

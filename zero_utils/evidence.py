@@ -14,8 +14,9 @@ import torch
 from zero_utils import distributed
 
 
-def weights_digest(model) -> str:
-    """SHA-256 of the full (gathered) weights as seen from this rank; every rank must call it (it gathers).
+def weights_digest(model, dtype: torch.dtype | None = None) -> str:
+    """SHA-256 of the full (gathered) weights as seen from this rank, each cast to `dtype` first if given (to
+    compare fp32 weights with a bf16 copy); every rank must call it (it gathers).
 
     Parameters are gathered one at a time (FSDP2 DTensor `full_tensor`, DeepSpeed ZeRO-3 `GatheredParameters`), so
     the whole model is never materialised at once. Equal digests on every rank prove the replicas agree.
@@ -25,6 +26,7 @@ def weights_digest(model) -> str:
     module = getattr(model, "module", model)
     for name, param in module.named_parameters():
         full = distributed.gathered(param)
+        full = full.to(dtype) if dtype is not None else full
         digest.update(name.encode())
         digest.update(full.float().contiguous().numpy().tobytes())
     return digest.hexdigest()

@@ -42,10 +42,11 @@ class StepResult:
     model_state_bytes_expected: int | None = None
     step_time_s: float | None = None  # from start_step to the optimizer's update (set once it has happened)
     tokens_per_s: float | None = None
+    means: dict = field(default_factory=dict)  # end_step's `extra_sums`, over all ranks, / loss_tokens
 
     def metrics(self) -> dict:
         """The step's line of metrics.jsonl (and of the trackers)."""
-        return {"step": self.step, "loss": self.loss, "lr": self.lr, "grad_norm": self.grad_norm,
+        return {"step": self.step, "loss": self.loss, "lr": self.lr, "grad_norm": self.grad_norm, **self.means,
                 "tokens_per_s": self.tokens_per_s, **self.peaks, "model_state_bytes": self.model_state_bytes,
                 "model_state_bytes_expected": self.model_state_bytes_expected}
 
@@ -112,18 +113,22 @@ class RunMeasurements:
         """Context manager around a forward pass: bytes autograd saves for backward, counted the first time."""
         return count_saved_activations(self._saved_activations)
 
-    def end_step(self, step: int, *, lr: float, loss_sum: torch.Tensor, loss_tokens: int, grad_norm) -> StepResult:
+    def end_step(self, step: int, *, lr: float, loss_sum: torch.Tensor, loss_tokens: int, grad_norm,
+                 extra_sums: dict[str, torch.Tensor] | None = None) -> StepResult:
         """End optimizer step `step` on every rank, before the optimizer's update: one collective (this rank's
-        token-loss sum, its gradient norm as the engine returns it, its memory peaks, its stop request) and one host
-        sync. Returns the step's `StepResult`; raises the non-finite-loss stop past `max_bad_steps`."""
+        token-loss sum, its gradient norm as the engine returns it, its memory peaks, its stop request, and any
+        `extra_sums`, e.g. a preference loss's rewards) and one host sync. `loss_tokens` is what the loss is a mean
+        over (answer tokens; pairs for a preference loss); each extra sum is divided by it too (`StepResult.means`).
+        Returns the step's `StepResult`; raises the non-finite-loss stop past `max_bad_steps`."""
         self._local_peaks = peak_memory(self.device)
+        extra_sums = extra_sums or {}
         values = distributed.reduce_step_values(
-            self.accelerator, sums={"loss_sum": loss_sum},
+            self.accelerator, sums={"loss_sum": loss_sum, **extra_sums},
             maxes={"grad_norm": distributed.local_scalar(grad_norm), "stop": 1.0 if stop_signals.received() else 0.0,
                    **self._local_peaks})
         loss = values["loss_sum"] / loss_tokens
         result = StepResult(step, loss, lr, values["grad_norm"], stop=values["stop"] > 0,
-                            skipped=not math.isfinite(loss))
+                            skipped=not math.isfinite(loss), means={k: values[k] / loss_tokens for k in extra_sums})
         if result.skipped:
             # the update is skipped (DeepSpeed has already applied it inside backward) and nothing is saved:
             # the last good checkpoint stays the newest
@@ -172,6 +177,24 @@ class RunMeasurements:
         self.model.train()
         totals = self.accelerator.reduce(totals, "sum")
         return (totals[0] / totals[1]).item()
+
+    def eval_means(self, batch_sums, micro_batches) -> dict[str, float]:
+        """Means over held-out data, all ranks together: `batch_sums(batch)` returns {name: summed tensor, ...,
+        "count": what the sums are over} for one of this rank's `micro_batches`; returns {name: sum / count}. Eval
+        mode, no gradients, one all-reduce; [FSDP2] what the forwards left gathered is freed after. Every rank must
+        call it with as many batches."""
+        self.model.eval()
+        totals = None
+        with torch.no_grad():
+            for batch in micro_batches:
+                sums = batch_sums(batch)
+                values = torch.stack([v.float() for v in sums.values()])
+                totals, names = (values if totals is None else totals + values), list(sums)
+        reshard_after_inference(self.model)
+        self.model.train()
+        totals = self.accelerator.reduce(totals, "sum").tolist()
+        count = totals[names.index("count")]
+        return {name: total / count for name, total in zip(names, totals, strict=True) if name != "count"}
 
     def summary(self) -> dict:
         """Medians of step time and tokens/s, the last peaks (max over ranks), model-state bytes measured (max over

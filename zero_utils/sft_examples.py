@@ -41,18 +41,19 @@ def detect_layout(column_names: list[str], column_map: dict[str, str] | None = N
     )
 
 
-def parse_column_map(spec: str) -> dict[str, str]:
-    """Parse `--columns` ("prompt=question,completion=answer") into {"prompt": "question", ...}."""
+def parse_column_map(spec: str, known: tuple[str, ...] | None = None,
+                     example: str = "prompt=question,completion=answer") -> dict[str, str]:
+    """Parse `--columns` ("prompt=question,completion=answer") into {"prompt": "question", ...}. `known`: the names
+    a recipe reads (default: the SFT layouts' columns); `example` is shown in the error of a malformed item."""
     if not spec:
         return {}
-    known = {c for cols in LAYOUTS.values() for c in cols} | {"input"}
+    known = set(known or {c for cols in LAYOUTS.values() for c in cols} | {"input"})
     mapping = {}
     for item in spec.split(","):
         ours, sep, theirs = item.partition("=")
         ours, theirs = ours.strip(), theirs.strip()
         if not sep or not ours or not theirs:
-            raise UserError(f"--columns item {item!r} is not NAME=COLUMN; "
-                            "write e.g. --columns prompt=question,completion=answer.")
+            raise UserError(f"--columns item {item!r} is not NAME=COLUMN; write e.g. --columns {example}.")
         if ours not in known:
             raise UserError(f"--columns names {ours!r}, which is not one of {sorted(known)}.")
         mapping[ours] = theirs

@@ -77,10 +77,11 @@ class RunTracker:
             return self.accelerator.get_tracker("wandb", unwrap=True).id
         return None
 
-    def log_step(self, result, eval_loss: float | None = None) -> None:
-        """Append one optimizer step's metrics (`measurement.StepResult.metrics`, and `eval_loss` when evaluated) to
-        metrics.jsonl and send them to the trackers."""
-        metrics = {**result.metrics(), **({"eval_loss": eval_loss} if eval_loss is not None else {})}
+    def log_step(self, result, eval_loss: float | None = None, eval_metrics: dict | None = None) -> None:
+        """Append one optimizer step's metrics (`measurement.StepResult.metrics`, and `eval_loss` or
+        `eval_metrics` (prefixed `eval_`) when evaluated) to metrics.jsonl and send them to the trackers."""
+        metrics = {**result.metrics(), **({"eval_loss": eval_loss} if eval_loss is not None else {}),
+                   **{f"eval_{k}": v for k, v in (eval_metrics or {}).items()}}
         if self.trackers:
             values = {k: v for k, v in metrics.items() if k != "step" and v is not None}
             self.accelerator.log(values, step=metrics["step"])

@@ -139,6 +139,41 @@ def shard_model(model: nn.Module, accelerator, block_override: str | None = None
     return model
 
 
+def shard_frozen_model(model: nn.Module, accelerator, dtype: torch.dtype) -> nn.Module:
+    """FSDP2 for a frozen model that only runs forwards (a preference loss's reference): the same units as
+    `shard_model` (the input embedding, each block, the final norm with the head, the root), every one resharded
+    after its forward whatever the YAML says (no backward will free it), so at most the unit being computed and the
+    one FSDP2 prefetches are gathered at once, never the model. Parameters are stored in `dtype` (the compute dtype:
+    no fp32 master, no gradients), sharded over the same mesh and offloaded as the YAML offloads the policy; weights
+    on the meta device off rank 0 are filled from rank 0's as in `shard_model`. Engines: FSDP2."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    plugin = accelerator.state.fsdp_plugin
+    block_classes = tuple(find_block_classes(model, _plugin_layer_override(plugin)))
+    common = {"mesh": _fsdp_mesh(accelerator, init_device_mesh), "offload_policy": plugin.cpu_offload,
+              "reshard_after_forward": True}
+    from_rank0 = _loads_from_rank0(model, accelerator)
+    model.requires_grad_(False)
+    model.to(dtype)  # on the meta device off rank 0 too: the shards are allocated in `dtype`
+    full_state = model.state_dict() if from_rank0 and accelerator.is_main_process else None
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = head is not None and embed.weight is head.weight
+    if not tied:
+        fully_shard(embed, **common)
+    blocks = [m for m in model.modules() if isinstance(m, block_classes)]
+    for block in blocks:
+        fully_shard(block, **common)
+    tail = [m for m in (_final_norm(model, blocks), head, embed if tied else None) if m is not None]
+    if tail:
+        fully_shard(tail, **common)
+    fully_shard(model, **common)
+    if from_rank0:
+        _fill_from_rank0(model, full_state, offloaded=isinstance(plugin.cpu_offload, CPUOffloadPolicy),
+                         device=accelerator.device)
+    return model
+
+
 def _loads_from_rank0(model: nn.Module, accelerator) -> bool:
     """True when some rank holds its parameters on the meta device (rank-0 loading): every rank must agree, since
     the broadcast that follows is collective."""

@@ -23,6 +23,9 @@ Switched on by the environment:
                                          preparation, RssAnon of the process sampled every 2 ms from /proc
     ZERO_RECIPES_HARNESS_LOSS_PROBE=1    + "loss_probe_per_rank": the largest logits-shaped tensor step 1 created,
                                          in tokens, and the output head group's FSDP2 all-gathers (loss_probe.py)
+    ZERO_RECIPES_HARNESS_REFERENCE_PROBE=1  + "reference_probe_per_rank" (recipes/llama_dpo.py): the most reference
+                                         parameters held gathered (not DTensor shards) at any module's forward,
+                                         and the reference's parameter count
 """
 
 from __future__ import annotations
@@ -143,6 +146,17 @@ def _attach_probes() -> None:
                 loss_probe.stop()
             return super().end_step(*args, **kwargs)
 
+    if os.environ.get("ZERO_RECIPES_HARNESS_REFERENCE_PROBE") == "1":
+        from zero_utils import reference_model
+
+        hold = reference_model.ReferenceModel.hold.__func__
+
+        def probed_hold(cls, *args, **kwargs):  # the reference as the recipe holds it, hooked before any forward
+            reference = hold(cls, *args, **kwargs)
+            _seen["reference_probe"] = _gathered_params_probe(reference.module)
+            return reference
+
+        reference_model.ReferenceModel.hold = classmethod(probed_hold)
     model.load_tokenizer = recorded_tokenizer
     data.TrainingData = RecordedData
     measurement.RunMeasurements = RecordedMeasurements
@@ -163,6 +177,26 @@ def _attach_probes() -> None:
         checkpoint_storage.PendingSave = DyingSave
 
 
+def _gathered_params_probe(module) -> dict:
+    """{"max_gathered_params": the most parameters of `module` registered whole (not as DTensor shards) at the
+    start or end of any submodule's forward (FSDP2's own hooks run first at the start: its unit is gathered then),
+    "total_params"}; updated in place by forward hooks."""
+    from torch.distributed.tensor import DTensor
+
+    params = list(getattr(module, "module", module).parameters())
+    found = {"max_gathered_params": 0, "total_params": sum(p.numel() for p in params)}
+
+    def count(*_):
+        gathered = sum(p.numel() for p in getattr(module, "module", module).parameters()
+                       if not isinstance(p, DTensor))
+        found["max_gathered_params"] = max(found["max_gathered_params"], gathered)
+
+    for sub in getattr(module, "module", module).modules():
+        sub.register_forward_pre_hook(count)
+        sub.register_forward_hook(count)
+    return found
+
+
 def _evidence() -> dict:
     """Every rank's view of the run (gathered: every rank must be here), and the probe logits on the main one."""
     from accelerate.utils import gather_object
@@ -177,8 +211,10 @@ def _evidence() -> dict:
     found = {
         "first_step_rows_per_rank": gather_object([_seen.get("first_step_rows", [])]),
         "sharding_per_rank": gather_object([evidence.sharding_evidence(model, optimizer)]),
-        "data_cache_files_written_per_rank": gather_object([_seen["data"].info["cache_files_written"]]),
-        "tokenizer_calls_in_data_prep_per_rank": gather_object([_seen["tokenizer_calls_in_data_prep"]]),
+        "data_cache_files_written_per_rank": gather_object([_seen["data"].info["cache_files_written"]
+                                                            if "data" in _seen else None]),  # SFT data only
+        "tokenizer_calls_in_data_prep_per_rank": gather_object([_seen.get("tokenizer_calls_in_data_prep")]),
+        "reference_probe_per_rank": gather_object([_seen["reference_probe"]]) if "reference_probe" in _seen else None,
         "data_prep_rss_anon_bytes_per_rank": gather_object([_seen.get("data_prep_rss_anon")]),
         "loss_probe_per_rank": gather_object([loss_probe.result()])
         if os.environ.get("ZERO_RECIPES_HARNESS_LOSS_PROBE") == "1" else None,

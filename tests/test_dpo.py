@@ -1,0 +1,259 @@
+"""recipes/llama_dpo.py: preference tuning under every engine. In process: each loss against a value computed by
+hand from its paper's formula, the objective with --sft_weight, the pairs' tokens, truncation and batching. Launched
+as users launch (runs named in the closing note): step 1 of DPO is ln 2 with zero rewards under DDP, ZeRO-1/2/3
+and FSDP2 (fp32, and bf16 as shipped); the engines train as one process does; the reference never changes and
+costs what its formula says; FSDP2 gathers at most two of its units at once; the default run learns."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from zero_utils.errors import UserError
+from zero_utils.preference_loss import answer_log_probs, objective_sum, pair_scores, resolve
+
+# ---------------------------------------------------------------------------------------------- in process
+
+
+def test_dpo_sigmoid_loss_by_hand():
+    """Rafailov et al. eq. 7: -log sigmoid(beta ((p_c - r_c) - (p_r - r_r))) with summed answer log-probs.
+    p_c -10, r_c -11, p_r -12, r_r -11, beta 0.1: the margin is 1 - (-1) = 2, the loss log(1 + e^-0.2)."""
+    t = torch.tensor
+    scores = pair_scores("sigmoid", 0.1, t([-10.0]), t([-12.0]), t([-11.0]), t([-11.0]))
+    assert scores.losses.item() == pytest.approx(math.log1p(math.exp(-0.2)), rel=1e-6)
+    assert scores.chosen_rewards.item() == pytest.approx(0.1) and scores.rejected_rewards.item() == pytest.approx(-0.1)
+    sums = scores.sums()
+    assert sums["reward_margin"].item() == pytest.approx(0.2) and sums["reward_accuracy"].item() == 1.0
+
+
+def test_ipo_loss_averages_token_log_probs_by_hand():
+    """Azar et al. eq. 17 with trl's per-token means: chosen tokens (-1, -3) -> -2, reference (-2, -2) -> -2;
+    rejected (-4) -> -4, reference (-3) -> -3; the log-ratio difference is 0 - (-1) = 1, beta 0.1: (1 - 5)^2 = 16."""
+    token_logps = torch.tensor([[-1.0, -3.0], [-4.0, 0.0]])
+    mask = torch.tensor([[True, True], [True, False]])
+    policy = answer_log_probs(token_logps, mask, average=True)
+    reference = answer_log_probs(torch.tensor([[-2.0, -2.0], [-3.0, 9.0]]), mask, average=True)
+    assert policy.tolist() == [-2.0, -4.0] and reference.tolist() == [-2.0, -3.0]
+    scores = pair_scores("ipo", 0.1, policy[:1], policy[1:], reference[:1], reference[1:])
+    assert scores.losses.item() == pytest.approx(16.0)
+
+
+def test_simpo_loss_is_reference_free_by_hand():
+    """Meng et al. eq. 6: -log sigmoid(beta (avg p_c - avg p_r) - gamma); -2 and -4, beta 2, gamma 1: log(1 + e^-3)."""
+    scores = pair_scores("simpo", 2.0, torch.tensor([-2.0]), torch.tensor([-4.0]), simpo_gamma=1.0)
+    assert scores.losses.item() == pytest.approx(math.log1p(math.exp(-3.0)), rel=1e-6)
+    assert scores.chosen_rewards.item() == -4.0 and scores.rejected_rewards.item() == -8.0
+
+
+def test_sft_weight_adds_the_chosen_nll_per_chosen_token_of_the_global_batch():
+    """Two ranks, one pair each, 3 and 5 chosen tokens with summed NLL 6 and 20: the step's loss is the mean pair
+    loss (0.5, 0.7 -> 0.6) + 0.5 x (6 + 20) / 8 = 2.225, as the sum over ranks divided by the 2 pairs."""
+    rank_parts = []
+    for loss, nll in ((0.5, 6.0), (0.7, 20.0)):
+        scores = pair_scores("sigmoid", 0.1, torch.zeros(1), torch.zeros(1), torch.zeros(1), torch.zeros(1))
+        scores.losses = torch.tensor([loss])
+        rank_parts.append(objective_sum(scores, torch.tensor(nll), sft_weight=0.5, global_pairs=2,
+                                        global_chosen_tokens=8))
+    assert (sum(rank_parts) / 2).item() == pytest.approx(0.6 + 0.5 * 26 / 8)
+
+
+def test_reference_and_beta_follow_the_loss():
+    assert resolve("sigmoid", 0.0, "") == (0.1, True) and resolve("simpo", 0.0, "") == (2.0, False)
+    assert resolve("ipo", 0.3, "model") == (0.3, True)
+    with pytest.raises(UserError, match="--loss sigmoid compares the policy with a reference model: drop "
+                                        "--reference none"):
+        resolve("sigmoid", 0.0, "none")
+    with pytest.raises(UserError, match="--loss simpo is reference-free"):
+        resolve("simpo", 0.0, "model")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from zero_utils.model import BUNDLED_MODEL
+
+    return AutoTokenizer.from_pretrained(BUNDLED_MODEL)
+
+
+def test_a_pair_is_two_sequences_with_loss_on_the_answers_only(tokenizer):
+    from zero_utils.preference_data import tokenize_pair
+    from zero_utils.sft_examples import IGNORE_INDEX
+
+    pair = tokenize_pair(tokenizer, "Spell the word tiger.", "t-i-g-e-r", "tiger", 128)
+    for side, answer in (("chosen", "t-i-g-e-r"), ("rejected", "tiger")):
+        ids, labels = pair[f"{side}_ids"], pair[f"{side}_labels"]
+        trained = [label for label in labels if label != IGNORE_INDEX]
+        assert tokenizer.decode(trained).rstrip("\n") == answer + tokenizer.eos_token  # the answer and its end only
+        assert labels[:-1] == [ids[t + 1] if labels[t] != IGNORE_INDEX else IGNORE_INDEX for t in range(len(ids) - 1)]
+    assert not pair["truncated"]
+
+
+def test_truncation_keeps_the_first_seq_len_tokens_and_drops_pairs_without_an_answer(tokenizer):
+    from zero_utils.preference_data import tokenize_pair
+    from zero_utils.sft_examples import IGNORE_INDEX
+
+    whole = tokenize_pair(tokenizer, "Spell the word tiger.", "t-i-g-e-r " * 10, "tiger", 128)
+    prompt_tokens = whole["chosen_labels"].index(next(x for x in whole["chosen_labels"] if x != IGNORE_INDEX))
+    cut = tokenize_pair(tokenizer, "Spell the word tiger.", "t-i-g-e-r " * 10, "tiger", prompt_tokens + 4)
+    assert cut["truncated"] and len(cut["chosen_ids"]) == prompt_tokens + 4
+    assert cut["chosen_ids"] == whole["chosen_ids"][:prompt_tokens + 4] and cut["chosen_labels"][-1] == IGNORE_INDEX
+    assert tokenize_pair(tokenizer, "Spell the word tiger.", "t-i-g-e-r", "tiger", prompt_tokens) is None
+
+
+def test_a_pairs_answers_share_a_micro_batch_chosen_rows_first(tokenizer):
+    from zero_utils.preference_data import PreferenceData, tokenize_pair
+
+    raw = [("Spell the word tiger.", "t-i-g-e-r", "tiger"), ("Write the number 7 in words.", "seven", "7"),
+           ("What color is snow?", "Snow is white.", "Snow is black."), ("Add 2 and 3.", "2 plus 3 is 5.", "23")]
+    pairs = [tokenize_pair(tokenizer, *r, 64) for r in raw]
+    data = [PreferenceData(pairs, pairs[:3], {}, per_device_batch_size=1, gradient_accumulation_steps=2, seed=0,
+                           pad_token_id=3, rank=rank, world_size=2, device=torch.device("cpu")) for rank in (0, 1)]
+    seen = []
+    for rank_data in data:
+        for micro in rank_data.step_batches(1).micro_batches:
+            assert micro.inputs["input_ids"].shape[0] == 2  # one pair: its chosen row, then its rejected row
+            chosen, rejected = (row[mask.bool()].tolist() for row, mask in zip(
+                micro.inputs["input_ids"], micro.inputs["attention_mask"], strict=True))
+            match = next(p for p in pairs if p["chosen_ids"] == chosen)
+            assert match["rejected_ids"] == rejected
+            seen.append(chosen)
+    assert len(seen) == 4 and len({tuple(s) for s in seen}) == 4  # the global batch, each pair once
+    eval_counts = [[weights.tolist() for _, weights in rank_data.eval_batches()] for rank_data in data]
+    assert eval_counts == [[[1.0], [1.0]], [[1.0], [0.0]]]  # as many batches on each rank; a filler weighs 0
+
+
+def test_a_set_without_pair_columns_names_the_ones_it_has():
+    from zero_utils.preference_data import check_pair_columns, parse_pair_columns
+
+    with pytest.raises(UserError, match=r"has columns \['messages'\] but a preference set needs prompt, chosen and "
+                                        r"rejected \(missing: prompt, chosen, rejected\)"):
+        check_pair_columns(["messages"], {})
+    check_pair_columns(["q", "good", "bad"], parse_pair_columns("prompt=q,chosen=good,rejected=bad"))
+
+
+# ---------------------------------------------------------------------------------------------- launched
+DPO = "recipes/llama_dpo.py"
+FOUR_STEPS = ("--max_steps", "4", "--warmup_steps", "2", "--eval_fraction", "0", "--max_new_tokens", "0",
+              "--report_to", "none")
+ENGINES_FP32 = ["ddp", "zero1", "zero2", "zero3", "fsdp2"]
+PROBED = {"fsdp2", "fsdp2_zero2"}  # the reference's gathered parameters recorded (tests/scripts/harness.py)
+
+
+@pytest.fixture(scope="module")
+def dpo_run(runs, session_root):
+    """`dpo_run(config, mixed_precision="no", world=2, batch=4, accumulation=1)`: 4 DPO steps (sigmoid) on the
+    bundled model and pairs, a global batch of 8 pairs; config None = one process without an accelerate config."""
+    from conftest import isolated_env
+
+    def get(config, mixed_precision="no", world=2, batch=4, accumulation=1):
+        env = {**isolated_env(session_root), **({"ZERO_RECIPES_HARNESS_REFERENCE_PROBE": "1"}
+                                                if config in PROBED else {})}
+        name = f"dpo-{config or 'single'}-{mixed_precision}-{world}x{batch}x{accumulation}"
+        return runs(name, *FOUR_STEPS, "--per_device_batch_size", str(batch), "--gradient_accumulation_steps",
+                    str(accumulation), recipe=DPO, config=config, num_processes=world,
+                    mixed_precision=mixed_precision, env=env).check()
+    return get
+
+
+@pytest.fixture(scope="module")
+def bundled_params() -> int:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from zero_utils.model import BUNDLED_MODEL
+
+    return sum(p.numel() for p in AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(BUNDLED_MODEL))
+               .parameters())
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ENGINES_FP32)
+def test_step_one_is_ln2_with_zero_rewards_and_the_reference_never_changes(dpo_run, bundled_params, engine):
+    """Policy = reference at step 1: every pair's loss is -log sigmoid(0) = ln 2 and every reward 0 (fp32, 2
+    processes). The reference's digest equals the policy's starting weights (the recipe checks it) and is the
+    same at the end; it holds 4 Psi / 2 bytes per rank under ZeRO-3 and FSDP2 (Psi counted here on the model),
+    4 Psi as a replica under DDP and ZeRO-1/2."""
+    summary, first = dpo_run(engine).summary(), dpo_run(engine).metrics()[0]
+    assert first["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    for key in ("reward_chosen", "reward_rejected", "reward_margin", "reward_accuracy"):
+        assert first[key] == pytest.approx(0.0, abs=1e-7), key
+    assert summary["reference_digest_start"] == summary["reference_digest_end"] is not None
+    sharded = engine in ("zero3", "fsdp2")
+    assert summary["reference_state_bytes_expected"] == (4 * bundled_params // 2 if sharded else 4 * bundled_params)
+    assert summary["reference_state_bytes"] == pytest.approx(summary["reference_state_bytes_expected"], rel=0.01)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["ddp", "zero2", "zero3", "fsdp2", "accumulation"])
+def test_engines_train_as_one_process_does(dpo_run, engine):
+    """DDP, ZeRO-2, ZeRO-3 and FSDP2 at 2 processes x 4 pairs, and one process x 2 micro-steps of 4, against one
+    process x 8 pairs: the same loss and reward margin at every step (the SFT tests' tolerances)."""
+    from test_zero_math import LOSS_RTOL
+
+    single = dpo_run(None, world=1, batch=8).metrics()
+    run = dpo_run(None, world=1, batch=4, accumulation=2) if engine == "accumulation" else dpo_run(engine)
+    for key in ("loss", "reward_margin", "logps_chosen"):
+        assert [m[key] for m in run.metrics()] == pytest.approx([m[key] for m in single], rel=LOSS_RTOL, abs=1e-6)
+    assert single[-1]["reward_margin"] > 0  # trained: the comparison is not of zeros
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("config", sorted(PROBED))
+def test_fsdp2_gathers_at_most_two_reference_units_at_once(dpo_run, config):
+    """The reference is sharded block by block and every unit resharded after its forward, also under
+    fsdp2_zero2.yaml (which keeps the policy's units gathered): the most reference parameters held whole at any
+    module's forward is at most two of its largest units (the 1024 x 128 embedding or head), not the model."""
+    from transformers import AutoConfig
+
+    from zero_utils.model import BUNDLED_MODEL
+
+    config_ = AutoConfig.from_pretrained(BUNDLED_MODEL)
+    largest_unit = config_.vocab_size * config_.hidden_size + config_.hidden_size  # the head with the final norm
+    for probe in dpo_run(config).summary()["reference_probe_per_rank"]:
+        assert 0 < probe["max_gathered_params"] <= 2 * largest_unit < probe["total_params"] / 1.5, probe
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_bf16_as_shipped_starts_at_ln2(dpo_run):
+    """zero3.yaml as shipped (bf16): the reference partitioned in bf16 (2 Psi / N), step 1 within 1e-3 of ln 2."""
+    run = dpo_run("zero3", mixed_precision=None)
+    assert run.metrics()[0]["loss"] == pytest.approx(math.log(2), abs=1e-3)
+    summary = run.summary()
+    assert summary["mixed_precision"] == "bf16"
+    assert summary["reference_state_bytes"] == pytest.approx(summary["reference_state_bytes_expected"], rel=0.01)
+    assert summary["reference_state_bytes_expected"] == -(-2 * summary["num_params"] // 2)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_the_default_run_learns_to_prefer_the_chosen_answers(runs):
+    """No flags but the output (fsdp2.yaml as shipped: bf16, 2 processes, 150 steps on the bundled pairs): step 1
+    within 1e-3 of ln 2, and at the end the held-out pairs are told apart (reward accuracy >= 0.9) with a margin
+    grown since the first evaluation."""
+    run = runs("dpo-default", "--report_to", "none", recipe=DPO, config="fsdp2", timeout=600).check()
+    metrics, summary = run.metrics(), run.summary()
+    assert metrics[0]["loss"] == pytest.approx(math.log(2), abs=1e-3)
+    evals = [m for m in metrics if "eval_reward_accuracy" in m]
+    assert summary["eval_reward_accuracy"] >= 0.9, [m["eval_reward_accuracy"] for m in evals]
+    assert summary["eval_reward_margin"] > evals[0]["eval_reward_margin"] > 0
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_set_without_pairs_and_a_loss_without_its_reference_are_one_sentence(runs):
+    from test_bad_input import assert_one_sentence
+
+    from zero_utils.data import BUNDLED_DATASET
+
+    sft = runs("dpo-bad-columns", *FOUR_STEPS, "--dataset", BUNDLED_DATASET, recipe=DPO, config="ddp", timeout=180)
+    assert_one_sentence(sft, "has columns ['messages'] but a preference set needs prompt, chosen and rejected")
+    assert sft.stderr.count("but a preference set needs") == 2  # every rank
+    no_reference = runs("dpo-no-reference", *FOUR_STEPS, "--reference", "none", recipe=DPO, num_processes=1,
+                        timeout=120)
+    assert_one_sentence(no_reference, "--loss sigmoid compares the policy with a reference model")

@@ -1,0 +1,95 @@
+"""The frozen reference model of a preference loss (DPO, IPO), held the way the engine holds the policy:
+
+    engine            what each rank holds of the reference (compute dtype: bf16 under bf16 mixed precision)
+    FSDP2 (both)      1/N, sharded block by block like the policy (wrapping.shard_frozen_model), every unit
+                      resharded after its forward: at most two units gathered at once, never the whole model
+    ZeRO-3            1/N, partitioned by DeepSpeed: an engine without an optimizer (as trl's `prepare_deepspeed`)
+    DDP, ZeRO-1/2     a whole replica (these engines keep whole parameters anyway)
+No gradients, no optimizer state: 2 Psi / N bytes sharded in bf16 (4 Psi / N in fp32), 2 Psi or 4 Psi as a
+replica (`expected_state_bytes`; `state_bytes` measures what this rank holds).
+
+It is built from the same `--model` as the policy, after the same seed (a config-only model draws the same
+weights), so it equals the policy's initial weights; `digest` (SHA-256 of its gathered weights) lets the recipe
+check that at the start and that it never changes. A resume builds it again the same way: it is never saved.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from zero_utils.distributed import max_over_ranks
+from zero_utils.engine import Engine
+from zero_utils.evidence import held_here, weights_digest
+from zero_utils.wrapping import reshard_after_inference, shard_frozen_model
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def compute_dtype(mixed_precision: str) -> torch.dtype:
+    """The dtype forwards compute in under accelerate's `mixed_precision` ('no' -> fp32)."""
+    return _DTYPES.get(mixed_precision, torch.float32)
+
+
+class ReferenceModel:
+    """A frozen model for forwards only: `reference.module` is called like the policy (every rank, same inputs),
+    under `torch.no_grad()`. Build it with `ReferenceModel.hold(model, accelerator, engine)` after the policy's
+    `accelerator.prepare` (under ZeRO-3 it copies the resolved DeepSpeed config). Engines: all."""
+
+    def __init__(self, module, engine: Engine, dtype: torch.dtype, world_size: int):
+        self.module, self.engine, self.dtype, self.world_size = module, engine, dtype, world_size
+
+    @classmethod
+    def hold(cls, model: torch.nn.Module, accelerator, engine: Engine) -> ReferenceModel:
+        """Hold `model` (freshly built, fp32, on CPU) as the engine holds the policy (module table)."""
+        dtype = compute_dtype(accelerator.mixed_precision)
+        model.eval().requires_grad_(False)
+        if engine.is_fsdp2:  # [FSDP2]
+            module = shard_frozen_model(model, accelerator, dtype)
+        elif engine.is_deepspeed and engine.zero_stage == 3:  # [ZeRO-3]
+            import deepspeed
+
+            config = copy.deepcopy(accelerator.state.deepspeed_plugin.deepspeed_config)
+            for key in ("optimizer", "scheduler"):
+                config.pop(key, None)
+            module, *_ = deepspeed.initialize(model=model, config=config)
+            module.eval()
+        else:  # DDP, ZeRO-1/2, one process: a replica on the device
+            module = model.to(device=accelerator.device, dtype=dtype)
+        return cls(module, engine, dtype, accelerator.num_processes)
+
+    def parameters(self):
+        return getattr(self.module, "module", self.module).parameters()
+
+    def num_params(self) -> int:
+        return sum(getattr(p, "ds_numel", p.numel()) for p in self.parameters())
+
+    def state_bytes(self) -> int:
+        """Bytes of reference parameters this rank holds (its shards, its partition or the whole replica)."""
+        return sum(held_here(p).numel() * held_here(p).element_size() for p in self.parameters())
+
+    def expected_state_bytes(self) -> int:
+        """The formula: compute-dtype bytes x parameters, divided by the world size where the engine shards."""
+        total = self.num_params() * torch.tensor([], dtype=self.dtype).element_size()
+        return -(-total // self.world_size) if self.engine.shards_params else total
+
+    def measured_state_bytes(self, accelerator) -> int:
+        """`state_bytes`, the maximum over ranks (one small collective: every rank must call it)."""
+        return max_over_ranks(accelerator, {"bytes": self.state_bytes()})["bytes"]
+
+    def check_equals(self, policy) -> str:
+        """The reference's digest, after checking that it equals the policy's weights in the compute dtype (call it
+        before any update: the reference must start where the policy does). A mismatch is a bug: RuntimeError."""
+        digest = self.digest()
+        if weights_digest(policy, self.dtype) != digest:
+            raise RuntimeError("the reference model's weights differ from the policy's starting weights")
+        return digest
+
+    def digest(self) -> str:
+        """SHA-256 of the gathered weights (every rank must call it; parameters gathered one at a time)."""
+        return weights_digest(self.module)
+
+    def free_gathered(self) -> None:
+        """[FSDP2] Reshard whatever the last forwards left gathered (a no-op elsewhere)."""
+        reshard_after_inference(self.module)
