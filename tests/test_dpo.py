@@ -137,7 +137,7 @@ def test_a_set_without_pair_columns_names_the_ones_it_has():
 # ---------------------------------------------------------------------------------------------- launched
 DPO = "recipes/llama_dpo.py"
 FOUR_STEPS = ("--max_steps", "4", "--warmup_steps", "2", "--eval_fraction", "0", "--max_new_tokens", "0",
-              "--report_to", "none")
+              "--report_to", "none", "--save_every", "2")
 ENGINES_FP32 = ["ddp", "zero1", "zero2", "zero3", "fsdp2"]
 PROBED = {"fsdp2", "fsdp2_zero2"}  # the reference's gathered parameters recorded (tests/scripts/harness.py)
 
@@ -199,6 +199,21 @@ def test_engines_train_as_one_process_does(dpo_run, engine):
     for key in ("loss", "reward_margin", "logps_chosen"):
         assert [m[key] for m in run.metrics()] == pytest.approx([m[key] for m in single], rel=LOSS_RTOL, abs=1e-6)
     assert single[-1]["reward_margin"] > 0  # trained: the comparison is not of zeros
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_resumed_run_rebuilds_the_reference_and_continues_exactly(runs, dpo_run):
+    """FSDP2, resumed from the step-2 checkpoint: the reference is built again (never saved) to the same digest,
+    and steps 3-4 repeat the uninterrupted run's loss and rewards."""
+    whole = dpo_run("fsdp2")
+    resumed = runs("dpo-fsdp2-resumed-at-2", *FOUR_STEPS, "--per_device_batch_size", "4", "--resume",
+                   str(whole.output_dir / "checkpoints" / "step_2"), recipe=DPO, config="fsdp2",
+                   mixed_precision="no").check()
+    assert [m["step"] for m in resumed.metrics()] == [3, 4]
+    for key in ("loss", "reward_margin", "reward_chosen"):
+        assert [m[key] for m in resumed.metrics()] == pytest.approx([m[key] for m in whole.metrics()[2:]], rel=1e-6)
+    assert resumed.summary()["reference_digest_start"] == whole.summary()["reference_digest_start"]
 
 
 @pytest.mark.distributed
