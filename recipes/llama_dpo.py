@@ -20,7 +20,8 @@ Features, the flag that controls each, and its cost:
                 under DDP and ZeRO-1/2 (2 Psi); one more forward per micro-batch; checked equal to the policy by
                 digest at the start and at the end (one gather of each model); rebuilt on resume, never saved
     batch       --per_device_batch_size pairs (2x rows) x --gradient_accumulation_steps x processes = global batch
-    fit check   as in llama_zero3.py for the policy at 2 rows per pair (the reference's term: not yet counted)
+    fit check   as in llama_zero3.py at 2 rows per pair, with the reference's bytes (python -m zero_utils.memory
+                --reference model gives the same estimate)
     optimizer, loss chunks (--loss_chunk_tokens), eval (eval_ prefixed metrics), checkpoint, FSDP2 (--fsdp_*),
                 tracking, presets (--config): as in llama_zero3.py
 Logged per step and on eval: loss, reward_chosen, reward_rejected, reward_margin, reward_accuracy, logps_chosen,
@@ -131,7 +132,7 @@ def main(cfg: Settings) -> None:
                     micro_batch_size=2 * cfg.per_device_batch_size,  # a pair is two rows
                     activation_checkpointing=cfg.gradient_checkpointing, attn_implementation=cfg.attn_implementation,
                     loss_chunk_tokens=cfg.loss_chunk_tokens, device_memory=cfg.device_memory, enabled=cfg.fit_check,
-                    trust_remote_code=cfg.trust_remote_code)
+                    trust_remote_code=cfg.trust_remote_code, reference=uses_reference)  # + the reference's bytes
 
     # ------------------------------------------------------------------------------ data
     tokenizer = load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code, revision=cfg.revision)

@@ -220,3 +220,34 @@ def test_check_fit_refuses_warns_or_is_skipped_in_process():
     assert skipped.summary() == {"peak_mem_bytes_estimated": None, "fit_check": None} and printed == []
     warned, printed = check_bundled(device_memory="2MB", refuse=False)  # QLoRA: counted as 16-bit, never refused
     assert warned.verdict.status == "too_big" and printed[1].startswith("warning: this run needs an estimated")
+
+
+def test_the_reference_model_adds_its_formula_and_the_dpo_fit_check_counts_it(capsys):
+    """`--reference model` (recipes/llama_dpo.py): the estimate grows by the reference's parameters in bf16, 2 Psi
+    (16 GB for 8B) on every GPU where the engine keeps whole parameters, 2 Psi / 8 (2 GB) where it shards them, and
+    on the host under the offload configs. The fit check with the reference refuses a capacity between the two."""
+    sizes = ["--params", "8B", "--hidden_size", str(H), "--num_layers", str(L), "--vocab_size", str(V),
+             "--intermediate_size", str(FFN), "--num_gpus", "8", "--json"]
+    rows = {}
+    for reference in ("none", "model"):
+        assert memory.main([*sizes, "--reference", reference]) == 0
+        rows[reference] = {r["engine"]: r for r in json.loads(capsys.readouterr().out)["engines"]}
+    for engine, without in rows["none"].items():
+        with_reference = rows["model"][engine]
+        whole, sharded = 2 * PSI, 2 * PSI // 8
+        gpu, cpu = {"ddp": (whole, 0), "zero1": (whole, 0), "zero2": (whole, 0), "fsdp2_zero2": (sharded, 0),
+                    "zero3": (sharded, 0), "fsdp2": (sharded, 0), "zero3_offload": (0, sharded),
+                    "fsdp2_offload": (0, sharded)}[engine]
+        assert with_reference["total_bytes"] - without["total_bytes"] == gpu == with_reference["reference_bytes"]
+        assert with_reference["cpu_bytes"] - without["cpu_bytes"] == cpu, engine
+    plain, _ = check_bundled(device_memory="1TB")
+    with_reference, printed = check_bundled(device_memory="1TB", reference=True)
+    replica = 4 * with_reference.setup.num_params  # fp32, one process: a whole replica
+    assert with_reference.verdict.total_bytes == plain.verdict.total_bytes + replica
+    assert " + reference 3.85 MB + " in printed[0]
+    between = str(round((plain.verdict.total_bytes + replica / 2) / 0.9))
+    assert check_bundled(device_memory=between)[0].verdict.status != "too_big"
+    from zero_utils.errors import UserError
+
+    with pytest.raises(UserError, match="this run needs an estimated"):
+        check_bundled(device_memory=between, reference=True)

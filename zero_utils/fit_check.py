@@ -49,8 +49,9 @@ class FitCheck:
         v, states = self.verdict, self.verdict.estimate.model_states
         return {"peak_mem_bytes_estimated": v.total_bytes, "fit_check": {
             "engine": v.estimate.engine.name, "params_bytes": states.gpu["params"], "grads_bytes": states.gpu["grads"],
-            "optimizer_bytes": states.gpu["optimizer"], "activation_bytes": v.estimate.activation_bytes,
-            "transient_bytes": v.estimate.transient_bytes, "offloaded_bytes": states.cpu_bytes,
+            "optimizer_bytes": states.gpu["optimizer"], "reference_bytes": v.estimate.reference_bytes,
+            "activation_bytes": v.estimate.activation_bytes,
+            "transient_bytes": v.estimate.transient_bytes, "offloaded_bytes": v.estimate.cpu_bytes,
             "total_bytes": v.total_bytes, "capacity_bytes": v.capacity_bytes, "capacity_source": self.capacity_source,
             "usable_bytes": v.usable_bytes, "status": v.status,
             "inputs": {k: val for k, val in asdict(self.setup).items() if k != "arch"}}}
@@ -110,13 +111,14 @@ def _term_line(check: FitCheck) -> str:
     loss = f"{s.loss_chunk_tokens}-token loss chunks" if s.loss_chunk_tokens else "whole logits"
     terms = " + ".join(f"{name} {format_bytes(value)}" for name, value in (
         ("params", states.gpu["params"]), ("grads", states.gpu["grads"]), ("optimizer", states.gpu["optimizer"]),
+        *((("reference", v.estimate.reference_bytes),) if s.reference else ()),
         ("activations", v.estimate.activation_bytes), ("transient", v.estimate.transient_bytes)))
     on_host = v.total_bytes - v.estimate.total_bytes  # what an engine offloads, when host memory is the device
     if on_host:
         terms += f" + offloaded {format_bytes(on_host)}"
     verdict = {"fits": "fits", "tight": "fits, tightly", "too_big": "does NOT fit"}[v.status]
-    offloaded = (f"; {format_bytes(states.cpu_bytes)} per rank offloaded to host memory"
-                 if states.cpu_bytes and not on_host else "")
+    offloaded = (f"; {format_bytes(v.estimate.cpu_bytes)} per rank offloaded to host memory"
+                 if v.estimate.cpu_bytes and not on_host else "")
     return (f"fit check [{v.estimate.engine}{' HSDP' if s.hsdp else ''}, {s.num_gpus * s.num_nodes} rank(s), "
             f"{precision}, micro-batch {s.micro_batch_size} x seq_len {s.seq_len}, "
             f"{'activation checkpointing, ' if s.activation_checkpointing else ''}{loss}"
@@ -128,11 +130,12 @@ def _term_line(check: FitCheck) -> str:
 def check_fit(accelerator, engine: Engine, model_config, *, seq_len: int, micro_batch_size: int,
               activation_checkpointing: bool, attn_implementation: str, loss_chunk_tokens: int,
               device_memory: str = "", enabled: bool = True, lora_config=None, trust_remote_code: bool = False,
-              refuse: bool = True) -> FitCheck:
+              refuse: bool = True, reference: bool = False) -> FitCheck:
     """Estimate this run's peak memory per rank before the model is built, print it term by term next to the
     capacity, and stop every rank with one sentence (`UserError`) when it does not fit (unless `refuse` is False:
     then a warning). Every rank must call it (one collective agrees on the smallest capacity). `enabled=False`
-    (`--no-fit_check`) skips it all. `lora_config`: a peft LoraConfig (only the adapters train). Engines: all.
+    (`--no-fit_check`) skips it all. `lora_config`: a peft LoraConfig (only the adapters train). `reference`: a
+    preference loss's frozen reference model is held too (recipes/llama_dpo.py). Engines: all.
     Returns a `FitCheck` whose `summary()` goes into summary.json next to the measured peak."""
     if not enabled:
         return FitCheck(None, None)
@@ -146,7 +149,7 @@ def check_fit(accelerator, engine: Engine, model_config, *, seq_len: int, micro_
                   arch=arch, seq_len=seq_len, micro_batch_size=micro_batch_size,
                   activation_checkpointing=activation_checkpointing,
                   attention="eager" if attn_implementation == "eager" else "sdpa",
-                  loss_chunk_tokens=loss_chunk_tokens)
+                  loss_chunk_tokens=loss_chunk_tokens, reference=reference)
     capacity, source = device_capacity(accelerator.device, local, device_memory)
     capacity = min(per_rank(accelerator, {"capacity": capacity})["capacity"])  # one verdict on every rank
     verdict = fit_verdict(setup, replace(engine, hsdp=False) if engine.hsdp else engine, capacity,

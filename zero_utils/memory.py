@@ -74,6 +74,9 @@ def _parser() -> argparse.ArgumentParser:
                           "(default: %(default)s)")
     training.add_argument("--lora_fraction", type=float, default=d.lora_fraction, metavar="F", help="fraction of "
                           "parameters trained; the rest frozen in the compute dtype (default: %(default)s)")
+    training.add_argument("--reference", default="none", choices=["model", "none"], help="model: a preference "
+                          "loss's frozen reference model (recipes/llama_dpo.py), in the compute dtype, held as the "
+                          "engine holds params (default: %(default)s)")
     training.add_argument("--offload_optimizer", action="store_true", help="optimizer state in CPU memory "
                           "(ZeRO-1/2/3)")
     training.add_argument("--offload_params", action="store_true", help="sharded params in CPU memory "
@@ -123,7 +126,7 @@ def _setup_from_args(args) -> Setup:
                  offload_optimizer=args.offload_optimizer, offload_params=args.offload_params, arch=arch,
                  seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
                  activation_checkpointing=args.activation_checkpointing, attention=args.attention,
-                 loss_chunk_tokens=args.loss_chunk_tokens, formula=args.formula)
+                 loss_chunk_tokens=args.loss_chunk_tokens, formula=args.formula, reference=args.reference == "model")
 
 
 
@@ -140,9 +143,12 @@ def format_report(data: dict, unit: str = "GB") -> str:
              f"Activations: seq_len {inputs['seq_len']}, micro-batch {inputs['micro_batch_size']}, "
              f"{inputs['attention']} attention, activation checkpointing "
              f"{'on' if inputs['activation_checkpointing'] else 'off'}, loss over {loss}.", ""]
-    columns = ("params", "grads", "optimizer", "states", "activations", "transient", "total", "cpu/rank")
-    keys = ("params_bytes", "grads_bytes", "optimizer_bytes", "model_state_bytes", "activation_bytes",
-            "transient_bytes", "total_bytes", "cpu_bytes")
+    columns = ("params", "grads", "optimizer", "states", "reference", "activations", "transient", "total",
+               "cpu/rank")
+    keys = ("params_bytes", "grads_bytes", "optimizer_bytes", "model_state_bytes", "reference_bytes",
+            "activation_bytes", "transient_bytes", "total_bytes", "cpu_bytes")
+    if not inputs["reference"]:  # the column only when there is a reference model
+        columns, keys = columns[:4] + columns[5:], keys[:4] + keys[5:]
     lines.append(f"{'engine':<14}" + "".join(f"{c:>12}" for c in columns) + "  fits")
     for row in data["engines"]:
         cells = "".join(f"{'n/a':>12}" if row[k] is None else f"{row[k] / scale:>12.2f}" for k in keys)

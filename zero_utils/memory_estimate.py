@@ -18,6 +18,7 @@ from zero_utils.memory_formulas import (
     ModelStateBytes,
     activation_bytes,
     model_state_bytes,
+    reference_model_bytes,
     transient_bytes,
 )
 
@@ -124,6 +125,7 @@ class Setup:
     attention: str = "sdpa"
     loss_chunk_tokens: int = 1024  # the recipes' default
     formula: str = "engine"
+    reference: bool = False  # a preference loss's frozen reference model (recipes/llama_dpo.py --reference model)
 
 
 @dataclass(frozen=True)
@@ -134,12 +136,19 @@ class EngineEstimate:
     model_states: ModelStateBytes
     activation_bytes: int | None
     transient_bytes: int | None
+    reference_bytes: int = 0  # a preference loss's reference model, on the GPU
+    reference_cpu_bytes: int = 0  # ... and in CPU memory (offload configs)
 
     @property
     def total_bytes(self) -> int | None:
         if self.activation_bytes is None or self.transient_bytes is None:
             return None
-        return self.model_states.gpu_bytes + self.activation_bytes + self.transient_bytes
+        return self.model_states.gpu_bytes + self.reference_bytes + self.activation_bytes + self.transient_bytes
+
+    @property
+    def cpu_bytes(self) -> int:
+        """Host memory per rank: offloaded model states and reference."""
+        return self.model_states.cpu_bytes + self.reference_cpu_bytes
 
 
 def _offload_for(engine: Engine, setup: Setup) -> tuple[bool | None, bool | None]:
@@ -178,7 +187,9 @@ def estimate(setup: Setup, engines: tuple[Engine, ...] = ENGINES) -> list[Engine
                                            attention=setup.attention, dtype=setup.dtype,
                                            loss_chunk_tokens=setup.loss_chunk_tokens)
             transient = transient_bytes(engine, setup.arch, dtype=setup.dtype, trainable_fraction=setup.lora_fraction)
-        results.append(EngineEstimate(engine, states, activations, transient))
+        reference = reference_model_bytes(engine, setup.num_params, world, setup.dtype, shard_group_size=group) \
+            if setup.reference else (0, 0)
+        results.append(EngineEstimate(engine, states, activations, transient, *reference))
     return results
 
 
@@ -246,7 +257,8 @@ def report(setup: Setup, results: list[EngineEstimate], gpu_memory_bytes: int | 
         "engines": [{
             "engine": r.engine.name, "params_bytes": r.model_states.gpu["params"],
             "grads_bytes": r.model_states.gpu["grads"], "optimizer_bytes": r.model_states.gpu["optimizer"],
-            "model_state_bytes": r.model_states.gpu_bytes, "cpu_bytes": r.model_states.cpu_bytes,
+            "model_state_bytes": r.model_states.gpu_bytes, "reference_bytes": r.reference_bytes,
+            "cpu_bytes": r.cpu_bytes,
             "activation_bytes": r.activation_bytes, "transient_bytes": r.transient_bytes,
             "total_bytes": r.total_bytes, "fits": fits(r, gpu_memory_bytes) if gpu_memory_bytes else None,
         } for r in results],
@@ -254,7 +266,7 @@ def report(setup: Setup, results: list[EngineEstimate], gpu_memory_bytes: int | 
         "command": launch_command(chosen.engine, setup.num_gpus, setup.num_nodes, setup.hsdp) if chosen else None,
         "advice": _advice(setup, gpu_memory_bytes) if gpu_memory_bytes and not chosen else [],
         "notes": _notes(setup) + ([f"CPU offload needs cpu/rank x {setup.num_gpus} of host memory per node."]
-                                  if any(r.model_states.cpu_bytes for r in results) else []),
+                                  if any(r.cpu_bytes for r in results) else []),
     }
 
 
@@ -277,7 +289,7 @@ class FitVerdict:
 
 
 def _need(result: EngineEstimate, device_is_host: bool) -> int:
-    return result.total_bytes + (result.model_states.cpu_bytes if device_is_host else 0)
+    return result.total_bytes + (result.cpu_bytes if device_is_host else 0)
 
 
 def _first_fit(setup: Setup, usable: int, device_is_host: bool, engines: tuple[Engine, ...] = ENGINES):

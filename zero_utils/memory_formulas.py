@@ -193,6 +193,18 @@ def model_state_bytes(engine: Engine, num_params: int, world_size: int, mixed_pr
     return ModelStateBytes(gpu, cpu)
 
 
+def reference_model_bytes(engine: Engine, num_params: int, world_size: int, mixed_precision: str | None = "no", *,
+                          shard_group_size: int | None = None) -> tuple[int, int]:
+    """(GPU, CPU) bytes one rank holds of a preference loss's frozen reference model (zero_utils.reference_model):
+    its `num_params` parameters in the compute dtype (2 bytes under bf16/fp16 mixed precision, else 4), no grads,
+    no optimizer state; divided over the shard group where the engine shards parameters (ZeRO-3, FSDP2), whole
+    otherwise; in CPU memory where the engine offloads parameters (zero3_offload, fsdp2*_offload). Engines: all."""
+    element = 4 if _precision(mixed_precision) == "fp32" else 2
+    group = shard_group_size or world_size
+    held = -(-element * num_params // group) if engine.shards_params else element * num_params
+    return (0, held) if engine.offload and engine.shards_params else (held, 0)
+
+
 def expected_model_state_bytes(engine: Engine, num_params: int, world_size: int, mixed_precision: str = "no", *,
                                param_groups: list[list[tuple[int, ...]]] | None = None, **kwargs) -> int:
     """Model-state bytes one rank holds, GPU and CPU together (what `measure_model_state_bytes` walks), for
