@@ -126,12 +126,57 @@ def test_a_pairs_answers_share_a_micro_batch_chosen_rows_first(tokenizer):
 
 
 def test_a_set_without_pair_columns_names_the_ones_it_has():
-    from zero_utils.preference_data import check_pair_columns, parse_pair_columns
+    from zero_utils.preference_data import pair_layout, parse_pair_columns
 
     with pytest.raises(UserError, match=r"has columns \['messages'\] but a preference set needs prompt, chosen and "
-                                        r"rejected \(missing: prompt, chosen, rejected\)"):
-        check_pair_columns(["messages"], {})
-    check_pair_columns(["q", "good", "bad"], parse_pair_columns("prompt=q,chosen=good,rejected=bad"))
+                                        r"rejected \(missing: prompt, chosen, rejected;"):
+        pair_layout(["messages"], {"messages": []}, {})
+    row = {"q": "hi", "good": "a", "bad": "b"}
+    assert pair_layout(["q", "good", "bad"], row, parse_pair_columns("prompt=q,chosen=good,rejected=bad")) == "pairs"
+    with pytest.raises(UserError, match=r"missing: prompt"):  # strings need their prompt
+        pair_layout(["chosen", "rejected"], {"chosen": "a", "rejected": "b"}, {})
+
+
+def user(text):
+    return {"role": "user", "content": text}
+
+
+def assistant(text):
+    return {"role": "assistant", "content": text}
+
+
+def test_the_prompt_of_conversational_pairs_by_hand():
+    """UltraFeedback-binarized (a prompt string, both lists starting with it), Anthropic HH (no prompt: the shared
+    leading turns), a prompt given as messages with bare answers, and plain strings."""
+    from zero_utils.preference_data import pair_layout, split_pair
+
+    ultrafeedback = {"prompt": "What is 2+2?", "chosen": [user("What is 2+2?"), assistant("4")],
+                     "rejected": [user("What is 2+2?"), assistant("5")], "score_chosen": 9.0, "score_rejected": 2.0}
+    assert pair_layout(list(ultrafeedback), ultrafeedback, {}) == "conversational"
+    assert split_pair(ultrafeedback["prompt"], ultrafeedback["chosen"], ultrafeedback["rejected"]) == (
+        [user("What is 2+2?")], [assistant("4")], [assistant("5")])
+    hh = {"chosen": [user("Hi"), assistant("Hello!"), user("Capital of France?"), assistant("Paris.")],
+          "rejected": [user("Hi"), assistant("Hello!"), user("Capital of France?"), assistant("Lyon.")]}
+    assert pair_layout(list(hh), hh, {}) == "conversational, shared turns"
+    assert split_pair(None, hh["chosen"], hh["rejected"]) == (
+        [user("Hi"), assistant("Hello!"), user("Capital of France?")], [assistant("Paris.")], [assistant("Lyon.")])
+    system = [{"role": "system", "content": "Be brief."}, user("Spell cat.")]
+    assert split_pair(system, [assistant("c-a-t")], [assistant("cat")]) == (
+        system, [assistant("c-a-t")], [assistant("cat")])
+    assert split_pair("Spell cat.", "c-a-t", "cat") == ([user("Spell cat.")], [assistant("c-a-t")], [assistant("cat")])
+    assert split_pair(None, hh["chosen"], hh["chosen"]) is None  # no answer of its own
+
+
+def test_a_conversational_pair_trains_only_its_final_answer(tokenizer):
+    from zero_utils.preference_data import tokenize_pair
+    from zero_utils.sft_examples import IGNORE_INDEX
+
+    chosen = [user("Hi"), assistant("Hello!"), user("Capital of France?"), assistant("Paris.")]
+    rejected = chosen[:3] + [assistant("Lyon.")]
+    pair = tokenize_pair(tokenizer, None, chosen, rejected, 128)
+    for side, answer in (("chosen", "Paris."), ("rejected", "Lyon.")):
+        trained = [label for label in pair[f"{side}_labels"] if label != IGNORE_INDEX]
+        assert tokenizer.decode(trained).rstrip("\n") == answer + tokenizer.eos_token  # not "Hello!"
 
 
 # ---------------------------------------------------------------------------------------------- launched

@@ -42,6 +42,20 @@ def test_hsdp_and_unknown_names():
             Engine.parse(bad)
 
 
+def test_a_resume_from_another_model_is_refused(tmp_path):
+    from zero_utils.errors import UserError
+
+    saved = {"model": "runs/llama_zero3/final", "revision": ""}
+    checkpoint.refuse_another_model(saved, dict(saved))
+    (tmp_path / "final").mkdir()
+    checkpoint.refuse_another_model({"model": str(tmp_path / "final")}, {"model": str(tmp_path / "x" / ".." / "final")})
+    with pytest.raises(UserError, match=r"^--model 'Qwen/Qwen2.5-0.5B' is not the checkpoint's --model "
+                                        r"'runs/llama_zero3/final': a resume continues the model it saved"):
+        checkpoint.refuse_another_model(saved, {**saved, "model": "Qwen/Qwen2.5-0.5B"})
+    with pytest.raises(UserError, match="--revision 'v2' is not the checkpoint's --revision ''"):
+        checkpoint.refuse_another_model(saved, {**saved, "revision": "v2"})
+
+
 def test_a_resume_names_each_changed_setting_but_not_run_control():
     saved = {"lr": 0.003, "seq_len": 256, "max_steps": 100, "output_dir": "a", "resume": ""}
     current = {"lr": 0.001, "seq_len": 256, "max_steps": 200, "output_dir": "b", "resume": "auto"}

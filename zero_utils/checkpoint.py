@@ -136,6 +136,7 @@ class Checkpointer:
         self._config_hash, self._global_batch_rows = model_config_hash(model_config), global_batch_rows
         if not self.resume_meta:
             return
+        refuse_another_model(self.resume_meta.get("settings", {}), self.settings)
         warnings = check_compatible(self.resume_meta, storage=self.storage,
                                     config_hash=self._config_hash, global_batch_rows=global_batch_rows)
         warnings += changed_settings(self.resume_meta.get("settings", {}), self.settings)
@@ -202,6 +203,23 @@ class Checkpointer:
         if self._pending:  # `save` returns None when the checkpoint is already complete (synchronous)
             self._pending.finish(current_step)
             self._pending = None
+
+
+def refuse_another_model(saved: dict, current: dict) -> None:
+    """`UserError` when a resume names another --model (or --revision) than the checkpoint's settings: a resume
+    continues the weights it saved, and a preference run's reference is built from --model, so another model would
+    silently change what is trained against. The same local folder written another way is the same model."""
+    import os
+
+    def same(a: str, b: str) -> bool:
+        a_path, b_path = os.path.realpath(a), os.path.realpath(b)
+        return a == b or (a_path == b_path and os.path.exists(a_path))
+
+    for key in ("model", "revision"):
+        if key in saved and key in current and not same(str(saved[key]), str(current[key])):
+            raise UserError(f"--{key} {current[key]!r} is not the checkpoint's --{key} {saved[key]!r}: a resume "
+                            f"continues the model it saved; pass --{key} {saved[key]!r}, or start a new run (another "
+                            "--output_dir, no --resume) to train from the other one.")
 
 
 def changed_settings(saved: dict, current: dict) -> list[str]:

@@ -2,12 +2,21 @@
 template as supervised fine-tuning does (zero_utils.sft_examples: loss on the answer's tokens only) and dealt to
 the ranks a global batch of pairs at a time.
 
-Columns: `prompt`, `chosen`, `rejected`, strings (`--columns prompt=question,chosen=good,rejected=bad` renames a
-data set's). Any source `--dataset` takes (zero_utils.data_sources); splits as for SFT: the data set's eval split,
-else `--eval_fraction` of the pairs held out.
+Layouts, detected from the columns and their values (`--columns prompt=question,chosen=good,rejected=bad` renames a
+data set's; other columns, such as scores, are ignored):
+
+    pairs                        prompt, chosen, rejected: strings
+    conversational               chosen, rejected: lists of chat messages; prompt: a string or messages, and the
+                                 lists may start with it (UltraFeedback-binarized stores [user, assistant])
+    conversational, shared turns chosen, rejected: lists of messages, no prompt column: the prompt is their shared
+                                 leading turns (as Anthropic HH stores them)
+
+Any source `--dataset` takes (zero_utils.data_sources); splits as for SFT: the data set's eval split, else
+`--eval_fraction` of the pairs held out.
 
 Truncation, one rule: each of a pair's two sequences (prompt + answer) is cut to its first `--seq_len` tokens, so a
-long answer loses its tail and a long prompt its answer; a pair in which either answer keeps no token is dropped.
+long answer loses its tail and a long prompt its answer; a pair in which either answer keeps no token (or has no
+turn of its own) is dropped.
 The data line counts both. Pairs are not packed: a micro-batch of b pairs is 2b rows, the b chosen sequences then
 the b rejected ones in the same order, right-padded to the longest with an attention mask, so a pair's two answers
 are always in the same micro-batch on the same rank and no token attends to another example.
@@ -37,23 +46,62 @@ def parse_pair_columns(spec: str) -> dict[str, str]:
     return parse_column_map(spec, PAIR_COLUMNS, "prompt=question,chosen=good,rejected=bad")
 
 
-def check_pair_columns(column_names: list[str], column_map: dict[str, str]) -> None:
-    """`UserError` naming the columns found when a data set lacks prompt / chosen / rejected (after renaming)."""
-    missing = [c for c in PAIR_COLUMNS if column_map.get(c, c) not in column_names]
-    if missing:
-        raise UserError(f"the dataset has columns {sorted(column_names)} but a preference set needs prompt, chosen "
-                        f"and rejected (missing: {', '.join(missing)}); name yours with --columns, e.g. "
-                        "--columns prompt=question,chosen=good,rejected=bad.")
+LAYOUTS = ("pairs", "conversational", "conversational, shared turns")
 
 
-def tokenize_pair(tokenizer, prompt: str, chosen: str, rejected: str, seq_len: int) -> dict | None:
-    """One pair as two token sequences with shifted labels (IGNORE_INDEX off the answer), each cut to `seq_len`
-    tokens; None when an answer keeps no token. Keys: chosen_ids, chosen_labels, rejected_ids, rejected_labels
-    (lists of ints) and truncated (bool)."""
+def pair_layout(column_names: list[str], first_row: dict, column_map: dict[str, str]) -> str:
+    """The layout (module docstring) of a preference set from its columns and first row; a `UserError` naming the
+    columns found when it has none of them."""
+    col = {c: column_map.get(c, c) for c in PAIR_COLUMNS}
+    has = {c: col[c] in column_names for c in PAIR_COLUMNS}
+    if has["chosen"] and has["rejected"]:
+        conversational = isinstance(first_row[col["chosen"]], list)
+        if has["prompt"]:
+            return "conversational" if conversational else "pairs"
+        if conversational:
+            return "conversational, shared turns"
+    missing = [c for c in PAIR_COLUMNS if not has[c]]
+    raise UserError(f"the dataset has columns {sorted(column_names)} but a preference set needs prompt, chosen and "
+                    f"rejected (missing: {', '.join(missing)}; chosen and rejected as chat messages may leave the "
+                    "prompt out); name yours with --columns, e.g. --columns prompt=question,chosen=good,rejected=bad.")
+
+
+def _messages(value, role: str) -> list[dict]:
+    return [{"role": role, "content": value}] if isinstance(value, str) else \
+        [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def split_pair(prompt, chosen, rejected) -> tuple[list[dict], list[dict], list[dict]] | None:
+    """(prompt messages, chosen answer messages, rejected answer messages) of one pair in any layout. A string
+    prompt is one user turn and a string answer one assistant turn; answers that start with the prompt's messages
+    have them removed; without a prompt (None) the prompt is the turns both answers start with. None when an answer
+    has no turn of its own."""
+    chosen, rejected = _messages(chosen, "assistant"), _messages(rejected, "assistant")
+    if prompt is None:
+        shared = 0
+        while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
+            shared += 1
+        prompt_messages = chosen[:shared]
+    else:
+        prompt_messages = _messages(prompt, "user")
+    answers = [answer[len(prompt_messages):] if answer[:len(prompt_messages)] == prompt_messages else answer
+               for answer in (chosen, rejected)]
+    if not prompt_messages or not all(answers):
+        return None
+    return prompt_messages, *answers
+
+
+def tokenize_pair(tokenizer, prompt, chosen, rejected, seq_len: int) -> dict | None:
+    """One pair (strings or chat messages, `split_pair`) as two token sequences with shifted labels (IGNORE_INDEX
+    off the answer), each cut to `seq_len` tokens; None when an answer keeps no token. Keys: chosen_ids,
+    chosen_labels, rejected_ids, rejected_labels (lists of ints) and truncated (bool)."""
+    split = split_pair(prompt, chosen, rejected)
+    if split is None:
+        return None
+    prompt_messages, *answers = split
     pair, truncated = {}, False
-    for name, answer in (("chosen", chosen), ("rejected", rejected)):
-        example = tokenize_example(tokenizer, [{"role": "user", "content": prompt},
-                                               {"role": "assistant", "content": answer}])
+    for name, answer in zip(("chosen", "rejected"), answers, strict=True):
+        example = tokenize_example(tokenizer, prompt_messages + answer, train_from=len(prompt_messages))
         ids, labels = example["input_ids"], example["labels"]
         if len(ids) > seq_len:
             truncated = True
@@ -64,12 +112,15 @@ def tokenize_pair(tokenizer, prompt: str, chosen: str, rejected: str, seq_len: i
     return {**pair, "truncated": truncated}
 
 
-def tokenize_pairs(tokenizer, raw, column_map: dict[str, str], seq_len: int) -> tuple[list[dict], dict]:
-    """Every pair of `raw` (a `datasets.Dataset`) tokenized: (pairs, {"pairs", "truncated", "dropped"})."""
+def tokenize_pairs(tokenizer, raw, column_map: dict[str, str], seq_len: int, layout: str) -> tuple[list[dict], dict]:
+    """Every pair of `raw` (a `datasets.Dataset` of `layout`) tokenized: (pairs, {"pairs", "truncated",
+    "dropped"})."""
     pairs, truncated, dropped = [], 0, 0
-    columns = [column_map.get(c, c) for c in PAIR_COLUMNS]
+    names = PAIR_COLUMNS if layout != "conversational, shared turns" else PAIR_COLUMNS[1:]
+    columns = [column_map.get(c, c) for c in names]
     for row in raw.select_columns(columns):
-        pair = tokenize_pair(tokenizer, *(row[c] for c in columns), seq_len)
+        values = [row[c] for c in columns]
+        pair = tokenize_pair(tokenizer, *([None] if len(values) == 2 else []), *values, seq_len)
         if pair is None:
             dropped += 1
             continue
@@ -128,17 +179,19 @@ class PreferenceData:
             raw = load_raw_dataset(dataset)
         train_split, eval_split = choose_splits(raw, dataset)
         train_raw, eval_raw = raw[train_split], raw[eval_split] if eval_split else None
-        check_pair_columns(train_raw.column_names, column_map)
+        if len(train_raw) == 0:
+            raise UserError(f"--dataset {dataset.name!r} has no rows in its {train_split!r} split.")
+        layout = pair_layout(train_raw.column_names, train_raw[0], column_map)
         if eval_raw is None and eval_fraction > 0:
             held_out = train_raw.train_test_split(test_size=eval_fraction, seed=seed)
             train_raw, eval_raw = held_out["train"], held_out["test"]
             eval_split = f"{eval_fraction:g} of {train_split!r} held out"
         elif eval_split:
             eval_split = repr(eval_split)
-        train, train_counts = tokenize_pairs(tokenizer, train_raw, column_map, seq_len)
-        evaluation, eval_counts = tokenize_pairs(tokenizer, eval_raw, column_map, seq_len) if eval_raw is not None \
-            else ([], {"pairs": 0, "truncated": 0, "dropped": 0})
-        info = {"layout": "preference pairs", "train_split": repr(train_split), "eval_split": eval_split,
+        train, train_counts = tokenize_pairs(tokenizer, train_raw, column_map, seq_len, layout)
+        evaluation, eval_counts = tokenize_pairs(tokenizer, eval_raw, column_map, seq_len, layout) \
+            if eval_raw is not None else ([], {"pairs": 0, "truncated": 0, "dropped": 0})
+        info = {"layout": f"preference pairs ({layout})", "train_split": repr(train_split), "eval_split": eval_split,
                 "train": train_counts, "eval": eval_counts, "seq_len": seq_len}
         return cls(train, evaluation, info, per_device_batch_size=per_device_batch_size,
                    gradient_accumulation_steps=gradient_accumulation_steps, seed=seed,

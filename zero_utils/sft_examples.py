@@ -87,13 +87,14 @@ def render_prompt(tokenizer, messages: list[dict]) -> str:
     return bos + turns + PLAIN_ASSISTANT_PREFIX
 
 
-def _segments(tokenizer, messages: list[dict]) -> list[tuple[str, bool]]:
-    """Split a rendered conversation into (text, is_trained) pieces: assistant replies are trained, the rest not."""
+def _segments(tokenizer, messages: list[dict], train_from: int = 0) -> list[tuple[str, bool]]:
+    """Split a rendered conversation into (text, is_trained) pieces: assistant replies from turn `train_from` on are
+    trained, the rest not."""
     if not tokenizer.chat_template:
         pieces, eos = [(tokenizer.bos_token or "", False)], tokenizer.eos_token or ""
-        for m in messages:
+        for i, m in enumerate(messages):
             if m["role"] == "assistant":
-                pieces += [(PLAIN_ASSISTANT_PREFIX, False), (m["content"] + eos + "\n\n", True)]
+                pieces += [(PLAIN_ASSISTANT_PREFIX, False), (m["content"] + eos + "\n\n", i >= train_from)]
             else:
                 pieces.append((PLAIN_FORMAT[m["role"]].format(content=m["content"]), False))
         return pieces
@@ -109,14 +110,15 @@ def _segments(tokenizer, messages: list[dict]) -> list[tuple[str, bool]]:
         if not full.startswith(rendered):
             raise UserError("the tokenizer's chat template does not render conversations prefix by prefix, so prompt "
                             "tokens cannot be masked; use a tokenizer with a standard template or the 'text' layout.")
-        pieces.append((full[len(rendered):], is_assistant))
+        pieces.append((full[len(rendered):], is_assistant and i >= train_from))
         rendered = full
     return pieces
 
 
-def tokenize_example(tokenizer, messages_or_text: list[dict] | str) -> dict:
+def tokenize_example(tokenizer, messages_or_text: list[dict] | str, train_from: int = 0) -> dict:
     """Tokenize one example. Returns {"input_ids": list[int], "labels": list[int]} with labels already shifted
-    (labels[t] = input_ids[t+1] when that token is trained, else -100; the last label is always -100)."""
+    (labels[t] = input_ids[t+1] when that token is trained, else -100; the last label is always -100). Messages:
+    the assistant turns from index `train_from` on are trained (a preference pair's answer after its prompt)."""
     if isinstance(messages_or_text, str):
         bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
         eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
@@ -124,7 +126,7 @@ def tokenize_example(tokenizer, messages_or_text: list[dict] | str) -> dict:
         trained = [False] * len(bos) + [True] * (len(ids) - len(bos))
     else:
         ids, trained = [], []
-        for text, is_trained in _segments(tokenizer, messages_or_text):
+        for text, is_trained in _segments(tokenizer, messages_or_text, train_from):
             if text:
                 piece = tokenizer(text, add_special_tokens=False)["input_ids"]
                 ids += piece
