@@ -51,6 +51,7 @@ def build_table(runs: list[dict]) -> tuple[list[dict], str | None]:
                "world_size": s.get("world_size", run["record"].get("num_processes")),
                "model_state_bytes_expected": s.get("model_state_bytes_expected"),
                "peak_mem_bytes_estimated": s.get("peak_mem_bytes_estimated"),
+               "reference_state_bytes": s.get("reference_state_bytes"),  # recipes/llama_dpo.py's reference model
                "error": None if run["summary"] else run["record"].get("error") or "no summary.json"}
         for key in METRICS:
             row[key] = s.get(key)
@@ -70,6 +71,9 @@ def markdown_table(rows: list[dict]) -> str:
 
     header = ["config", "engine", "world size", "model states / rank, MB (measured)", "expected, MB",
               "peak memory / rank, MB", "estimated, MB", "tokens/s", "step time, s", "final loss", "status"]
+    reference = any(row.get("reference_state_bytes") for row in rows)  # a preference run's reference model
+    if reference:
+        header.insert(5, "reference / rank, MB")
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         status = "ok" if not row["error"] else "failed: " + row["error"].replace("|", "\\|")
@@ -78,6 +82,8 @@ def markdown_table(rows: list[dict]) -> str:
                  cell(row, "peak_mem_bytes", 1e6, ",.1f"), cell(row, "peak_mem_bytes_estimated", 1e6, ",.1f"),
                  cell(row, "tokens_per_s", spec=",.0f"),
                  cell(row, "step_time_s", spec=".3f"), cell(row, "final_loss", spec=".4f"), status]
+        if reference:
+            cells.insert(5, cell(row, "reference_state_bytes", 1e6))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -107,7 +113,8 @@ def _bar_axes(rows: list[dict], title: str, ylabel: str):
 
 
 def plot_memory(runs: list[dict], rows: list[dict], path: Path, subtitle: str) -> Path:
-    """Stacked bars of model-state MB per rank (params / grads / optimizer, measured) with the formula's value."""
+    """Stacked bars of model-state MB per rank (params / grads / optimizer, measured; a preference run's reference
+    model on top) with the formula's value for the model states."""
     fig, ax = _bar_axes(rows, f"Model states per rank by engine (measured)\n{subtitle}",
                         "model states per rank, MB (1 MB = 1e6 bytes)")
     xs, bottoms = range(len(runs)), [0.0] * len(runs)
@@ -115,6 +122,10 @@ def plot_memory(runs: list[dict], rows: list[dict], path: Path, subtitle: str) -
         heights = [((r["summary"] or {}).get("model_state_breakdown_bytes") or {}).get(kind, 0) / 1e6 for r in runs]
         ax.bar(xs, heights, 0.6, bottom=bottoms, label=kind, color=color)
         bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
+    references = [((r["summary"] or {}).get("reference_state_bytes") or 0) / 1e6 for r in runs]
+    if any(references):  # recipes/llama_dpo.py: the frozen reference, held as the engine holds params
+        ax.bar(xs, references, 0.6, bottom=bottoms, label="reference model", color="#8172b3", hatch="//")
+        bottoms = [b + h for b, h in zip(bottoms, references, strict=True)]
     labelled = False
     for x, row, top in zip(xs, rows, bottoms, strict=True):
         if row["error"]:
@@ -227,10 +238,11 @@ def log_summary_run(output_dir: Path, project: str, group: str, rows: list[dict]
     import wandb
 
     columns = ["config", "engine", "world_size", "model_state_mb", "model_state_expected_mb", "peak_mem_mb",
-               "peak_mem_estimated_mb", "tokens_per_s", "step_time_s", "final_loss",
+               "peak_mem_estimated_mb", "reference_mb", "tokens_per_s", "step_time_s", "final_loss",
                *(f"ratio_{k}" for k in METRICS), "error"]
     data = [[r["config"], r["engine"], r["world_size"], *(None if r[k] is None else r[k] / 1e6 for k in
-             ("model_state_bytes", "model_state_bytes_expected", "peak_mem_bytes", "peak_mem_bytes_estimated")),
+             ("model_state_bytes", "model_state_bytes_expected", "peak_mem_bytes", "peak_mem_bytes_estimated",
+              "reference_state_bytes")),
              r["tokens_per_s"], r["step_time_s"], r["final_loss"], *(r[f"ratio_{k}"] for k in METRICS), r["error"]]
             for r in rows]
     run = wandb.init(project=project, group=group, name="summary", job_type="comparison", dir=str(output_dir),
