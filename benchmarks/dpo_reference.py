@@ -1,0 +1,71 @@
+"""What the DPO recipe's frozen reference model costs per rank under each engine, measured next to its formula.
+
+    python benchmarks/dpo_reference.py --output_dir runs/dpo_reference [--configs ddp zero1 ...] [--world_size 2]
+
+Runs `recipes/llama_dpo.py` (sigmoid loss, the bundled model and pairs, each YAML as shipped: bf16 mixed
+precision) for 3 steps under every config, side by side, through `python -m zero_utils.compare` (its report and
+charts land in --output_dir too), and writes results.json and results.md: per config the reference's bytes per
+rank measured from its tensors (`reference_state_bytes`, the maximum over ranks), its formula
+(`reference_state_bytes_expected`: 2 bytes x Psi in bf16, divided by the ranks where the engine shards
+parameters), the ratio to DDP's, and the policy's model states next to them. About 2 minutes on 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIGS = ["ddp", "zero1", "zero2", "zero3", "fsdp2", "fsdp2_zero2", "zero3_offload", "fsdp2_offload"]
+
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("--output_dir", required=True)
+parser.add_argument("--configs", nargs="+", default=CONFIGS)
+parser.add_argument("--world_size", type=int, default=2)
+
+
+def main() -> None:
+    args = parser.parse_args()
+    out = Path(args.output_dir)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}
+    compare = [sys.executable, "-m", "zero_utils.compare", "--recipe", "recipes/llama_dpo.py", "--configs",
+               *args.configs, "--num_processes", str(args.world_size), "--max_steps", "3", "--output_dir",
+               str(out), "--report_to", "none", "--", "--max_new_tokens", "0", "--eval_every", "0"]
+    proc = subprocess.run(compare, cwd=REPO, env=env)
+    rows = []
+    for config in args.configs:
+        summary_path = out / f"{config}-{args.world_size}x" / "summary.json"
+        if not summary_path.is_file():
+            rows.append({"config": config, "error": "no summary.json (see its launch.log)"})
+            continue
+        s = json.loads(summary_path.read_text())
+        rows.append({"config": config, "engine": s["engine"], "mixed_precision": s["mixed_precision"],
+                     "num_params": s["num_params"], "reference_state_bytes": s["reference_state_bytes"],
+                     "reference_state_bytes_expected": s["reference_state_bytes_expected"],
+                     "model_state_bytes": s["model_state_bytes"]})
+    ddp = next((r for r in rows if r.get("engine") == "ddp"), None)
+    lines = [f"DPO reference model per rank, {args.world_size} processes, bundled model, YAMLs as shipped "
+             f"(`python benchmarks/dpo_reference.py --output_dir {args.output_dir}`); MB = 1e6 bytes.", "",
+             "| config | reference measured, MB | formula, MB | measured / formula | x DDP | policy model states, MB |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['config']} | failed: {r['error']} | | | | |")
+            continue
+        ratio = f"{r['reference_state_bytes'] / ddp['reference_state_bytes']:.2f}" if ddp else ""
+        lines.append(f"| {r['config']} | {r['reference_state_bytes'] / 1e6:.3f} | "
+                     f"{r['reference_state_bytes_expected'] / 1e6:.3f} | "
+                     f"{r['reference_state_bytes'] / r['reference_state_bytes_expected']:.4f} | {ratio} | "
+                     f"{r['model_state_bytes'] / 1e6:.2f} |")
+    (out / "results.json").write_text(json.dumps(rows, indent=2) + "\n")
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    sys.exit(proc.returncode)
+
+
+if __name__ == "__main__":
+    main()
