@@ -8,17 +8,21 @@ or FSDP2. The accelerate YAML picks the engine; the reference model is held the 
     accelerate launch --config_file accelerate_configs/fsdp2.yaml --num_processes 2 recipes/llama_dpo.py
 
 Features, the flag that controls each, and its cost:
-    data        --dataset with prompt / chosen / rejected strings (--columns renames; any source llama_zero3.py
-                takes), the chat template as in SFT, loss on answer tokens only; each answer with its prompt cut to
-                --seq_len tokens, a pair whose answer keeps no token dropped (both counted in the data line);
-                a pair's two answers in one micro-batch, right-padded, never packed (zero_utils/preference_data.py)
+    data        --dataset with prompt / chosen / rejected strings, or chosen / rejected as chat messages (the
+                prompt a column, or the turns both share: UltraFeedback-binarized, Anthropic HH), --columns renames,
+                any source llama_zero3.py takes; the chat template as in SFT, loss on the final answer's tokens;
+                each answer with its prompt cut to --seq_len tokens, a pair whose answer keeps no token dropped
+                (both counted in the data line); a pair's two answers in one micro-batch, right-padded, never
+                packed (zero_utils/preference_data.py)
     loss        --loss sigmoid (DPO) | ipo | simpo, --beta (0 = the loss's default), --simpo_gamma, --sft_weight
                 (+ the chosen answers' NLL per token); the mean over the global batch's pairs, so processes and
                 accumulation never change the maths (zero_utils/preference_loss.py cites each paper)
     reference   --reference model (sigmoid, ipo) | none (simpo): a frozen copy of the starting weights in the
                 compute dtype, sharded like the policy under ZeRO-3 and FSDP2 (2 Psi / N bytes in bf16), a replica
                 under DDP and ZeRO-1/2 (2 Psi); one more forward per micro-batch; checked equal to the policy by
-                digest at the start and at the end (one gather of each model); rebuilt on resume, never saved
+                digest at the start and at the end (one gather of each model); rebuilt on resume, never saved (a
+                resume must name the checkpoint's --model)
+    flow        SFT with llama_zero3.py, then --model runs/llama_zero3/final (README: Preference tuning)
     batch       --per_device_batch_size pairs (2x rows) x --gradient_accumulation_steps x processes = global batch
     fit check   as in llama_zero3.py at 2 rows per pair, with the reference's bytes (python -m zero_utils.memory
                 --reference model gives the same estimate)
