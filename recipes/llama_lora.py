@@ -63,6 +63,8 @@ class Settings:
     dataset_config: str = flag("", "configuration of a Hub data set")
     dataset_revision: str = flag("", "Hub revision (branch, tag or commit) of --dataset")
     columns: str = flag("", "rename columns, e.g. prompt=question,completion=answer")
+    num_proc: int = flag(0, "processes that tokenize the data (0 = this machine's CPUs, at most 8); same rows for any",
+                         min=0)
     output_dir: str = flag("runs/llama_lora", "where metrics, checkpoints and final/ go")  # [LoRA]
     lora_r: int = flag(16, "LoRA rank", min=1)  # [LoRA]
     lora_alpha: int = flag(32, "LoRA scaling numerator (scale = alpha / r)", min=1)  # [LoRA]
@@ -140,7 +142,8 @@ def main(cfg: Settings) -> None:
         accelerator, tokenizer, model_config, columns=cfg.columns, seq_len=cfg.seq_len,
         dataset=DataSource(cfg.dataset, cfg.dataset_split, cfg.dataset_config, cfg.dataset_revision),
         eval_fraction=cfg.eval_fraction, seed=cfg.seed, per_device_batch_size=cfg.per_device_batch_size,
-        gradient_accumulation_steps=cfg.gradient_accumulation_steps, attn_implementation=cfg.attn_implementation)
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps, attn_implementation=cfg.attn_implementation,
+        num_proc=cfg.num_proc)
     checkpointer.check(model_config, train_data.global_batch_rows)  # an incompatible checkpoint fails here
 
     # ------------------------------------------------------------------------------ model, parallelize

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -67,11 +68,12 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(BUNDLED_MODEL)
 
 
-def prepare(tmp_path, tokenizer, dataset, seq_len=128, eval_fraction=0.0, seed=0, column_map=None):
+def prepare(tmp_path, tokenizer, dataset, seq_len=128, eval_fraction=0.0, seed=0, column_map=None, num_proc=1,
+            cache="rows"):
     return prepared_rows.prepare_rows(ONE_PROCESS, tokenizer, str(dataset), seq_len=seq_len,
                                       eval_fraction=eval_fraction, seed=seed, column_map=column_map,
                                       pad_token_id=data.pad_token_id_within(tokenizer, len(tokenizer)),
-                                      cache_root=tmp_path / "rows")
+                                      cache_root=tmp_path / cache, num_proc=num_proc)
 
 
 def as_lists(rows):
@@ -215,3 +217,31 @@ def test_a_tokenizer_datasets_cannot_hash_is_keyed_and_reused(tmp_path, tokenize
     assert not prepare(tmp_path, unhashable, corpus)[2]["reused"]
     assert prepare(tmp_path, unhashable, corpus)[2]["reused"]
     assert prepared_rows.tokenizer_fingerprint(unhashable) == prepared_rows.tokenizer_fingerprint(tokenizer)
+
+
+def test_rows_are_the_same_for_any_num_proc(tmp_path, tokenizer):
+    """The bundled 4,000 examples (held-out 5%: the train split is above PARALLEL_MIN_EXAMPLES) tokenized by 2
+    worker processes and packed in one pass: the same rows, byte for byte, as one process makes; the workers'
+    token files are gone."""
+    import hashlib
+
+    one = prepare(tmp_path, tokenizer, data.BUNDLED_DATASET, eval_fraction=0.05, num_proc=1, cache="one")
+    two = prepare(tmp_path, tokenizer, data.BUNDLED_DATASET, eval_fraction=0.05, num_proc=2, cache="two")
+    assert len(one[0]) > 0 and one[2]["train_examples"] >= prepared_rows.PARALLEL_MIN_EXAMPLES
+    for name in ("train.arrow", "eval.arrow"):
+        digests = {hashlib.sha256((Path(info["folder"]) / name).read_bytes()).hexdigest() for *_, info in (one, two)}
+        assert len(digests) == 1, name
+    assert sorted(p.name for p in Path(two[2]["folder"]).iterdir()) == ["eval.arrow", "info.json", "train.arrow"]
+    assert 1 <= prepared_rows.default_num_proc() <= prepared_rows.MAX_NUM_PROC
+
+
+def test_a_tokenizer_that_cannot_be_pickled_prepares_in_one_process_with_a_line(tmp_path, tokenizer, capsys,
+                                                                                 monkeypatch):
+    unpicklable = AutoTokenizer.from_pretrained(BUNDLED_MODEL)
+    unpicklable.unhashable = (n for n in range(1))  # a generator: neither pickle nor dill takes it
+    assert not prepared_rows.can_pickle(unpicklable) and prepared_rows.can_pickle(tokenizer)
+    monkeypatch.setattr(prepared_rows, "PARALLEL_MIN_EXAMPLES", 1)  # would run workers on this small corpus
+    train, _, _ = prepare(tmp_path, unpicklable, write_corpus(tmp_path / "corpus.jsonl", 10), num_proc=2)
+    assert len(train) > 0
+    assert "--num_proc 2: the tokenizer cannot be pickled for worker processes; tokenizing in this process alone " \
+           "(--num_proc 1)." in capsys.readouterr().out

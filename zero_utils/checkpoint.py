@@ -77,7 +77,7 @@ def check_compatible(meta: dict, *, storage: checkpoint_storage.Storage, config_
 # how long to train): any other setting that differs from the checkpoint's is reported when the run resumes.
 RUN_CONTROL_SETTINGS = ("resume", "overwrite", "max_steps", "output_dir", "report_to", "project", "group",
                         "save_every", "keep_last", "eval_every", "collective_timeout_s", "async_save", "prompt",
-                        "max_new_tokens", "config", "device_memory", "fit_check")
+                        "max_new_tokens", "config", "device_memory", "fit_check", "num_proc")
 
 
 @dataclass(frozen=True)

@@ -206,11 +206,12 @@ class TrainingData:
     @classmethod
     def prepare(cls, accelerator, tokenizer, model_config, *, dataset: DataSource | str, columns: str, seq_len: int,
                 eval_fraction: float, seed: int, per_device_batch_size: int, gradient_accumulation_steps: int,
-                attn_implementation: str) -> "TrainingData":
+                attn_implementation: str, num_proc: int = 1) -> "TrainingData":
         """Check, load, tokenize and pack `dataset` once per job (`prepared_rows.prepare_rows`: the main process
         prepares, or reuses rows prepared earlier; the others open them) for a model of `model_config`. `dataset`: a
         `DataSource` (--dataset with its split, configuration and revision) or a name. `columns` is the --columns
-        text (`parse_column_map`)."""
+        text (`parse_column_map`). `num_proc`: processes that tokenize (0 = this machine's CPUs, at most 8; the rows
+        are the same for any value: `prepared_rows.prepare_rows`)."""
         # Packed rows hold several examples: sdpa/eager keep them apart with per-row block masks, flash-attention
         # with the examples' offsets passed to its varlen kernel; any other implementation is refused here.
         path = attention.packing_path(attn_implementation)
@@ -218,7 +219,8 @@ class TrainingData:
         train_rows, eval_rows, info = prepared_rows.prepare_rows(
             accelerator, tokenizer, dataset, seq_len=seq_len, eval_fraction=eval_fraction, seed=seed,
             column_map=parse_column_map(columns),
-            pad_token_id=pad_token_id_within(tokenizer, model_config.vocab_size))  # an id inside the embedding
+            pad_token_id=pad_token_id_within(tokenizer, model_config.vocab_size),  # an id inside the embedding
+            num_proc=num_proc)
         check_token_ids(tokenizer, info["max_token_id"], model_config.vocab_size)
         return cls(train_rows, eval_rows, info, seq_len=seq_len, per_device_batch_size=per_device_batch_size,
                    gradient_accumulation_steps=gradient_accumulation_steps, seed=seed, attention_path=path,

@@ -34,6 +34,8 @@ from zero_utils.packing import PACKER_VERSION, Packer
 from zero_utils.sft_examples import detect_layout, to_messages, tokenize_example
 
 CHUNK_EXAMPLES = 100  # raw examples read and tokenized at a time
+MAX_NUM_PROC = 8  # --num_proc 0 takes this machine's CPUs, at most this many
+PARALLEL_MIN_EXAMPLES = 2000  # a split smaller than this is tokenized in the main process (workers cost seconds)
 WRITE_TOKENS = 1 << 18  # packed tokens buffered (3 Python ints each, ~36 bytes apiece: ~28 MB) before writing
 ROW_COLUMNS = ("input_ids", "labels", "position_ids")
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -60,8 +62,27 @@ def rows_cache_root() -> Path:
     return Path(datasets.config.HF_DATASETS_CACHE) / "zero_recipes_rows"
 
 
+def default_num_proc() -> int:
+    """Tokenizing processes for `--num_proc 0`: the CPUs this process may run on, at most MAX_NUM_PROC (the other
+    ranks of the node wait while the main process prepares, so their CPUs are free)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(MAX_NUM_PROC, cpus))
+
+
+def can_pickle(tokenizer) -> bool:
+    """Whether `datasets`' worker processes can receive `tokenizer` (they get it pickled with dill)."""
+    import dill
+
+    try:
+        dill.dumps(tokenizer)
+        return True
+    except Exception:  # noqa: BLE001 - dill raises whatever the object's parts raise
+        return False
+
+
 def prepare_rows(accelerator, tokenizer, dataset: DataSource | str, *, seq_len: int, eval_fraction: float, seed: int,
-                 column_map: dict[str, str] | None, pad_token_id: int, cache_root: Path | None = None):
+                 column_map: dict[str, str] | None, pad_token_id: int, cache_root: Path | None = None,
+                 num_proc: int = 1):
     """Prepare (or reuse) the packed rows of `dataset` (a `DataSource`, or just its name) once per job; return
     (train, eval, info) on every rank.
 
@@ -71,11 +92,13 @@ def prepare_rows(accelerator, tokenizer, dataset: DataSource | str, *, seq_len: 
     both: `data_sources.choose_splits`). info: the splits, layout, example, row,
     truncation and split-document counts, max_token_id, the folder, `reused` (found prepared) and
     `cache_files_written` (row files this rank wrote: 0 off the main process). `cache_root`: where rows are kept
-    (default `rows_cache_root()`). Every rank must call it.
+    (default `rows_cache_root()`). `num_proc`: processes that tokenize (0 = `default_num_proc()`); the packing is one
+    sequential pass over the tokenized examples in their order, so the rows are the same for any value; a tokenizer
+    that cannot be pickled tokenizes in the main process alone, with one line saying so. Every rank must call it.
     """
     prepared = distributed.run_on_main_process(
         accelerator, lambda: _prepare(tokenizer, dataset, seq_len, eval_fraction, seed, column_map, pad_token_id,
-                                      Path(cache_root or rows_cache_root())),
+                                      Path(cache_root or rows_cache_root()), num_proc or default_num_proc()),
         share_result=True)
     train, evald, info = open_rows(Path(prepared["folder"]))
     written = not prepared["reused"] and accelerator.is_main_process
@@ -83,7 +106,8 @@ def prepare_rows(accelerator, tokenizer, dataset: DataSource | str, *, seq_len: 
                           "cache_files_written": (1 + (evald is not None)) if written else 0}
 
 
-def _prepare(tokenizer, dataset, seq_len, eval_fraction, seed, column_map, pad_token_id, cache_root: Path) -> dict:
+def _prepare(tokenizer, dataset, seq_len, eval_fraction, seed, column_map, pad_token_id, cache_root: Path,
+             num_proc: int = 1) -> dict:
     """Main process: {"folder": the prepared rows, "reused": whether a complete folder with the same key was there}."""
     source = DataSource(dataset) if isinstance(dataset, str) else dataset
     raw = load_raw_dataset(source)
@@ -107,13 +131,17 @@ def _prepare(tokenizer, dataset, seq_len, eval_fraction, seed, column_map, pad_t
         eval_split = f"{eval_fraction:g} of {train_split!r} held out"
     elif eval_split:
         eval_split = repr(eval_split)
+    if num_proc > 1 and not can_pickle(tokenizer):
+        print(f"--num_proc {num_proc}: the tokenizer cannot be pickled for worker processes; tokenizing in this "
+              "process alone (--num_proc 1).")
+        num_proc = 1
     tmp = folder.parent / f".tmp_{folder.name}_{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     info = {"layout": layout, "chat_template": bool(tokenizer.chat_template), "depends_on": depends_on,
             "train_split": repr(train_split), "eval_split": eval_split}
     for name, split_raw in (("train", train_raw), ("eval", eval_raw)):
-        counts = _pack_split(split_raw, name, tokenizer, layout, column_map, seq_len, pad_token_id, tmp) \
+        counts = _pack_split(split_raw, name, tokenizer, layout, column_map, seq_len, pad_token_id, tmp, num_proc) \
             if split_raw is not None else {"examples": 0, "rows": 0, "truncated": 0, "split_documents": 0,
                                            "max_token_id": 0}
         info[name] = counts
@@ -131,9 +159,40 @@ def _prepare(tokenizer, dataset, seq_len, eval_fraction, seed, column_map, pad_t
     return {"folder": str(folder), "reused": False}
 
 
-def _pack_split(split_raw, name, tokenizer, layout, column_map, seq_len, pad_token_id, folder: Path) -> dict:
-    """Tokenize and pack one split in one sequential pass: CHUNK_EXAMPLES raw examples, then WRITE_TOKENS tokens of
-    rows, at a time; write `<folder>/<name>.arrow`. Returns its counts."""
+def _tokenize_batch(batch: dict, tokenizer, layout: str, column_map) -> dict:
+    """`datasets.map` worker: a batch of raw examples -> their input_ids and shifted labels (sft_examples)."""
+    examples = [dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)]
+    tokens = [tokenize_example(tokenizer, to_messages(example, layout, column_map)) for example in examples]
+    return {"input_ids": [t["input_ids"] for t in tokens], "labels": [t["labels"] for t in tokens]}
+
+
+def _token_stream(split_raw, name, tokenizer, layout, column_map, num_proc: int, folder: Path):
+    """Each example's (input_ids, labels), in the split's order. With num_proc > 1 (and a split large enough to pay
+    for the workers) `datasets.map` tokenizes in num_proc processes into `<folder>/<name>.tokens*.arrow` (memory-mapped,
+    removed once packed); else this process tokenizes CHUNK_EXAMPLES examples at a time."""
+    if num_proc > 1 and len(split_raw) >= PARALLEL_MIN_EXAMPLES:
+        from datasets import Features, Sequence, Value
+
+        tokenized = split_raw.map(
+            _tokenize_batch, batched=True, batch_size=CHUNK_EXAMPLES, num_proc=num_proc,
+            fn_kwargs={"tokenizer": tokenizer, "layout": layout, "column_map": column_map},
+            remove_columns=split_raw.column_names, load_from_cache_file=False,
+            cache_file_name=str(folder / f"{name}.tokens.arrow"), desc=f"tokenize {name}",
+            features=Features({"input_ids": Sequence(Value("int32")), "labels": Sequence(Value("int32"))}))
+        for chunk in tokenized.iter(batch_size=CHUNK_EXAMPLES):
+            yield from zip(chunk["input_ids"], chunk["labels"], strict=True)
+        return
+    for chunk in split_raw.iter(batch_size=CHUNK_EXAMPLES):
+        for values in zip(*chunk.values(), strict=True):
+            tokens = tokenize_example(tokenizer, to_messages(dict(zip(chunk, values, strict=True)), layout,
+                                                             column_map))
+            yield tokens["input_ids"], tokens["labels"]
+
+
+def _pack_split(split_raw, name, tokenizer, layout, column_map, seq_len, pad_token_id, folder: Path,
+                num_proc: int = 1) -> dict:
+    """Tokenize (`_token_stream`: in num_proc processes) and pack one split in one sequential pass, WRITE_TOKENS
+    tokens of rows at a time; write `<folder>/<name>.arrow`. Returns its counts."""
     import pyarrow
     from datasets import Features, Sequence, Value
     from datasets.arrow_writer import ArrowWriter
@@ -152,16 +211,15 @@ def _pack_split(split_raw, name, tokenizer, layout, column_map, seq_len, pad_tok
             pool.release_unused()  # Arrow's allocator keeps freed blocks: give them back, or they grow with the corpus
 
     with tqdm(total=len(split_raw), unit="ex", desc=f"tokenize and pack {name} to {seq_len}") as progress:
-        for chunk in split_raw.iter(batch_size=CHUNK_EXAMPLES):
-            examples = [dict(zip(chunk, values, strict=True)) for values in zip(*chunk.values(), strict=True)]
-            for example in examples:
-                tokens = tokenize_example(tokenizer, to_messages(example, layout, column_map))
-                max_token_id = max(max_token_id, max(tokens["input_ids"], default=0))
-                write(packer.add(tokens["input_ids"], tokens["labels"], split_long=layout == "text"))
-            progress.update(len(examples))
+        for input_ids, labels in _token_stream(split_raw, name, tokenizer, layout, column_map, num_proc, folder):
+            max_token_id = max(max_token_id, max(input_ids, default=0))
+            write(packer.add(input_ids, labels, split_long=layout == "text"))
+            progress.update(1)
     write(packer.finish(), final=True)
     writer.finalize()
     writer.close()
+    for tokens in folder.glob(f"{name}.tokens*.arrow"):  # the workers' output, packed now
+        tokens.unlink()
     return {"examples": packer.examples, "rows": packer.rows, "truncated": packer.truncated,
             "split_documents": packer.split_documents, "max_token_id": max_token_id}
 
