@@ -129,8 +129,11 @@ def describe(info: dict, seq_len: int) -> str:
                                                       ("split_documents", "documents split into windows"))
               if info.get(key)]
     line += f" ({', '.join(counts)})" if counts else ""
-    return line + (f"; prepared rows reused from {info['folder']}" if info.get("reused")
-                   else f"; rows prepared in {info['folder']}" if info.get("folder") else "")
+    nodes = info.get("nodes_with_own_rows")
+    where = f" (and the same rows by the local main process of {nodes} node(s) with their own datasets cache)" \
+        if nodes else ""
+    return line + (f"; prepared rows reused from {info['folder']}{where}" if info.get("reused")
+                   else f"; rows prepared in {info['folder']}{where}" if info.get("folder") else "")
 
 
 def eval_micro_batches(rows, rank: int, world_size: int, per_device_batch_size: int, device):

@@ -36,8 +36,10 @@ def _every_rank(accelerator, values: list) -> torch.Tensor:
 _main_process_works = [0]  # calls of run_on_main_process so far: the same count on every rank
 
 
-def run_on_main_process(accelerator, work, *, poll_s: float = 1.0, share_result: bool = False):
-    """Run `work()` on the main process alone while every other rank waits for it, for as long as it takes.
+def run_on_main_process(accelerator, work, *, poll_s: float = 1.0, share_result: bool = False,
+                        per_node: bool = False):
+    """Run `work()` on the main process alone while every other rank waits for it, for as long as it takes; with
+    `per_node`, on each node's local main process while the other ranks of its node wait for it.
 
     Host-side work of one rank (data preparation: hours for a big corpus; the final export; a LoRA merge) must not
     be bounded by the collective timeout (`--collective_timeout_s`): a rank waiting in a barrier or broadcast for
@@ -60,15 +62,19 @@ def run_on_main_process(accelerator, work, *, poll_s: float = 1.0, share_result:
     _main_process_works[0] += 1
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     key = f"zero_recipes/main_process_work/{attempt}/{_main_process_works[0]}"
+    leader, waiting = accelerator.is_main_process, accelerator.num_processes
+    if per_node:  # the node is named by its local main process's global rank
+        key += f"/node{accelerator.process_index - accelerator.local_process_index}"
+        leader, waiting = accelerator.is_local_main_process, local_world_size(accelerator)
     store = dist.distributed_c10d._get_default_store()
-    if accelerator.is_main_process:
+    if leader:
         try:
             result = work()
         except UserError as exc:
-            _tell_and_wait(store, key, {"user_error": str(exc)}, accelerator.num_processes)
+            _tell_and_wait(store, key, {"user_error": str(exc)}, waiting)
             raise
         except BaseException as exc:
-            _tell_and_wait(store, key, {"failed": f"{type(exc).__name__}: {exc}"}, accelerator.num_processes)
+            _tell_and_wait(store, key, {"failed": f"{type(exc).__name__}: {exc}"}, waiting)
             raise
         store.set(key, json.dumps({"result": result} if share_result else {}))
         return result
@@ -87,6 +93,11 @@ def run_on_main_process(accelerator, work, *, poll_s: float = 1.0, share_result:
 
 
 ACK_WAIT_S = 60.0
+
+
+def local_world_size(accelerator) -> int:
+    """Processes on this node: torchrun's LOCAL_WORLD_SIZE, else all of them (one node)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
 
 
 def _tell_and_wait(store, key: str, outcome: dict, world_size: int) -> None:

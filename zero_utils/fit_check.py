@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from zero_utils.deepspeed_setup import zero3_init_disabled
-from zero_utils.distributed import per_rank
+from zero_utils.distributed import local_world_size, per_rank
 from zero_utils.engine import Engine
 from zero_utils.errors import UserError
 from zero_utils.memory_estimate import (
@@ -143,7 +143,7 @@ def check_fit(accelerator, engine: Engine, model_config, *, seq_len: int, micro_
         arch = architecture_from_config(model_config, meta_model(model_config, trust_remote_code))
         fraction = lora_fraction(model_config, lora_config, trust_remote_code) if lora_config is not None else 1.0
     world = accelerator.num_processes
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    local = local_world_size(accelerator)
     setup = Setup(num_params=arch.num_params, num_gpus=local, num_nodes=max(1, world // local), hsdp=engine.hsdp,
                   dtype="fp32" if accelerator.mixed_precision == "no" else "bf16", lora_fraction=fraction,
                   arch=arch, seq_len=seq_len, micro_batch_size=micro_batch_size,

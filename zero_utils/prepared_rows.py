@@ -15,8 +15,10 @@ without it is not used. The key hashes everything the rows depend on: the data (
 modification time; a Hub dataset by id, configuration, revision and the fingerprints `datasets` gave it), the train
 and eval splits, --columns, the layout, the tokenizer (its full serialisation) and chat template, seq_len, the pad
 id, the eval fraction, the seed and `packing.PACKER_VERSION`. A relaunch with the same key reuses the rows and says
-so; any change prepares again. Every node must see the folder: on several nodes, put the `datasets` cache on a
-filesystem they share.
+so; any change prepares again. On several nodes, a node whose `datasets` cache folder is not the main process's
+(each node with its own cache, as without a shared file system) prepares the same rows itself, on its local main
+process, while its other ranks wait: the rows are a pure function of the key, so every node trains on the same
+rows. With one cache folder on a shared file system the job prepares once.
 """
 
 from __future__ import annotations
@@ -92,18 +94,36 @@ def prepare_rows(accelerator, tokenizer, dataset: DataSource | str, *, seq_len: 
     both: `data_sources.choose_splits`). info: the splits, layout, example, row,
     truncation and split-document counts, max_token_id, the folder, `reused` (found prepared) and
     `cache_files_written` (row files this rank wrote: 0 off the main process). `cache_root`: where rows are kept
-    (default `rows_cache_root()`). `num_proc`: processes that tokenize (0 = `default_num_proc()`); the packing is one
-    sequential pass over the tokenized examples in their order, so the rows are the same for any value; a tokenizer
-    that cannot be pickled tokenizes in the main process alone, with one line saying so. Every rank must call it.
+    (default `rows_cache_root()`, on each node); a node whose cache is not the main process's (no shared file system:
+    each node its own `datasets` cache) prepares the same rows (the key is the same) on its local main process:
+    `prepared_on` says "node" there, else "main", and `nodes_with_own_rows` counts such nodes. `num_proc`:
+    processes that tokenize (0 = `default_num_proc()`); the packing is one sequential pass over the tokenized
+    examples in their order, so the rows are the same for any value; a tokenizer that cannot be pickled tokenizes
+    in one process, with one line saying so. Every rank must call it.
     """
-    prepared = distributed.run_on_main_process(
-        accelerator, lambda: _prepare(tokenizer, dataset, seq_len, eval_fraction, seed, column_map, pad_token_id,
-                                      Path(cache_root or rows_cache_root()), num_proc or default_num_proc()),
-        share_result=True)
-    train, evald, info = open_rows(Path(prepared["folder"]))
-    written = not prepared["reused"] and accelerator.is_main_process
-    return train, evald, {**info, "reused": prepared["reused"],
-                          "cache_files_written": (1 + (evald is not None)) if written else 0}
+    root = Path(cache_root or rows_cache_root())
+
+    def prepare():
+        return _prepare(tokenizer, dataset, seq_len, eval_fraction, seed, column_map, pad_token_id, root,
+                        num_proc or default_num_proc())
+
+    prepared = distributed.run_on_main_process(accelerator, prepare, share_result=True)
+
+    def on_this_node():  # a node whose datasets cache is not the main process's (no shared file system) makes its own
+        if root / Path(prepared["folder"]).name == Path(prepared["folder"]):
+            return {**prepared, "where": "main"}
+        return {**prepare(), "where": "node"}  # the same key: the same rows, or the ones this node kept
+
+    here = distributed.run_on_main_process(accelerator, on_this_node, share_result=True, per_node=True)
+    train, evald, info = open_rows(Path(here["folder"]))
+    wrote = not here["reused"] and (accelerator.is_main_process if here["where"] == "main"
+                                    else accelerator.is_local_main_process)
+    other_nodes = sum(distributed.per_rank(accelerator, {"node": int(here["where"] == "node" and
+                                                                     accelerator.is_local_main_process)})["node"]) \
+        if accelerator.num_processes > 1 else 0
+    return train, evald, {**info, "reused": here["reused"], "prepared_on": here["where"],
+                          "nodes_with_own_rows": other_nodes,
+                          "cache_files_written": (1 + (evald is not None)) if wrote else 0}
 
 
 def _prepare(tokenizer, dataset, seq_len, eval_fraction, seed, column_map, pad_token_id, cache_root: Path,
