@@ -1,13 +1,15 @@
 """Memory of data preparation against the size of the corpus, this checkout and (optionally) another side by side.
 
     git worktree add /tmp/before c45ba18     # the preparation before rows were streamed (one batch of lists)
-    python benchmarks/data_prep.py --output_dir runs/data_prep --before /tmp/before
+    python benchmarks/data_prep.py --output_dir runs/data_prep --before /tmp/before [--num_proc 1,2]
 
 Writes synthetic text corpora (jsonl, one document a line, the tests' generator) of --docs documents each, then
 prepares each one in a fresh process with a fresh datasets cache, one process per (checkout, corpus): the bundled
-tokenizer, --seq_len 256, 1% held out. Measured: the rise of the process's anonymous resident memory (`RssAnon`,
-sampled every 2 ms from /proc; memory-mapped files are page cache and do not count) from just before preparing to
-its peak, and the wall time. Prints a table and writes data_prep.json. Units: MB = 1e6 bytes, seconds.
+tokenizer, --seq_len 256, 1% held out, this checkout at each --num_proc (the other at 1: it has no workers).
+Measured: the rise of anonymous resident memory (`RssAnon` of the process and its workers, sampled every 2 ms from
+/proc; memory-mapped files are page cache and do not count) from just before preparing to its peak, per byte of
+text, and the throughput (MB of text per second of preparation). Prints a table and writes data_prep.json.
+Units: MB = 1e6 bytes, seconds.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 # Run in a child process: imports the checkout under test (its zero_utils), prepares, prints one JSON line.
 CHILD = r"""
 import json, os, sys, time
-tree, corpus = sys.argv[1], sys.argv[2]
+tree, corpus, num_proc = sys.argv[1], sys.argv[2], int(sys.argv[4])
 sys.path.insert(0, tree)
 sys.path.insert(0, os.path.join(sys.argv[3], "tests", "scripts"))
 from types import SimpleNamespace
@@ -39,8 +41,9 @@ with _RssAnonPeak() as probe:
         data.build_sft_datasets(one_process, tokenizer, corpus, 256, 0.01, 0, vocab_size=len(tokenizer))
     else:
         from zero_utils import prepared_rows
+        workers = {"num_proc": num_proc} if hasattr(prepared_rows, "default_num_proc") else {}
         prepared_rows.prepare_rows(one_process, tokenizer, corpus, seq_len=256, eval_fraction=0.01, seed=0,
-                                   column_map=None, pad_token_id=tokenizer.pad_token_id or 0)
+                                   column_map=None, pad_token_id=tokenizer.pad_token_id or 0, **workers)
 print(json.dumps({"rss_anon_rise_bytes": probe.peak - probe.before, "seconds": time.perf_counter() - start}))
 """
 
@@ -51,6 +54,7 @@ def main() -> None:
     parser.add_argument("--before", help="another checkout to measure side by side (e.g. a git worktree)")
     parser.add_argument("--docs", default="1100,11000", help="documents per corpus, comma-separated "
                         "(default: about 4 MB and 40 MB of text)")
+    parser.add_argument("--num_proc", default="1,2", help="tokenizing processes of this checkout, comma-separated")
     args = parser.parse_args()
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -61,16 +65,21 @@ def main() -> None:
     trees = {"this checkout": REPO, **({"before": Path(args.before).resolve()} if args.before else {})}
     results = []
     for name, tree in trees.items():
-        for corpus in corpora:
-            env_home = out / "hf_home" / f"{name.replace(' ', '_')}_{corpus.stem}"
-            proc = subprocess.run([sys.executable, "-c", CHILD, str(tree), str(corpus), str(REPO)], text=True,
-                                  capture_output=True, env={**_env(), "HF_HOME": str(env_home)})
-            if proc.returncode:
-                raise SystemExit(f"{name} on {corpus.name} failed:\n{proc.stderr[-3000:]}")
-            row = {"checkout": name, "text_bytes": corpus.stat().st_size, **json.loads(proc.stdout.splitlines()[-1])}
-            results.append(row)
-            print(f"{name:<14} {row['text_bytes'] / 1e6:6.1f} MB of text: RssAnon rise "
-                  f"{row['rss_anon_rise_bytes'] / 1e6:8.1f} MB, {row['seconds']:5.1f} s", flush=True)
+        for num_proc in args.num_proc.split(",") if name == "this checkout" else ["1"]:
+            for corpus in corpora:
+                env_home = out / "hf_home" / f"{name.replace(' ', '_')}_{corpus.stem}_{num_proc}"
+                proc = subprocess.run([sys.executable, "-c", CHILD, str(tree), str(corpus), str(REPO), num_proc],
+                                      text=True, capture_output=True, env={**_env(), "HF_HOME": str(env_home)})
+                if proc.returncode:
+                    raise SystemExit(f"{name} on {corpus.name} failed:\n{proc.stderr[-3000:]}")
+                row = {"checkout": name, "num_proc": int(num_proc), "text_bytes": corpus.stat().st_size,
+                       **json.loads(proc.stdout.splitlines()[-1])}
+                row["rss_per_text_byte"] = row["rss_anon_rise_bytes"] / row["text_bytes"]
+                row["text_mb_per_s"] = row["text_bytes"] / 1e6 / row["seconds"]
+                results.append(row)
+                print(f"{name:<14} num_proc {num_proc} {row['text_bytes'] / 1e6:6.1f} MB of text: RssAnon rise "
+                      f"{row['rss_anon_rise_bytes'] / 1e6:8.1f} MB ({row['rss_per_text_byte']:.2f} B per byte), "
+                      f"{row['seconds']:5.1f} s, {row['text_mb_per_s']:.2f} MB/s", flush=True)
     (out / "data_prep.json").write_text(json.dumps(results, indent=1) + "\n")
 
 

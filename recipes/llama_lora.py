@@ -63,7 +63,7 @@ class Settings:
     dataset_config: str = flag("", "configuration of a Hub data set")
     dataset_revision: str = flag("", "Hub revision (branch, tag or commit) of --dataset")
     columns: str = flag("", "rename columns, e.g. prompt=question,completion=answer")
-    num_proc: int = flag(0, "processes that tokenize the data (0 = this machine's CPUs, at most 8); same rows for any",
+    num_proc: int = flag(1, "processes that tokenize the data (0 = this machine's CPUs, at most 8); same rows for any",
                          min=0)
     output_dir: str = flag("runs/llama_lora", "where metrics, checkpoints and final/ go")  # [LoRA]
     lora_r: int = flag(16, "LoRA rank", min=1)  # [LoRA]

@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 SMALL_DOCS, LARGE_DOCS = 1100, 11000  # ~4 MB and ~40 MB of text (words of 4 to 6 letters, 300 to 900 a document)
 FLAGS = ("--max_steps", "1", "--seq_len", "256", "--per_device_batch_size", "2", "--eval_fraction", "0.01",
-         "--max_new_tokens", "0", "--report_to", "none")
+         "--num_proc", "2", "--max_new_tokens", "0", "--report_to", "none")
 PROBES = {"ZERO_RECIPES_HARNESS_RSS_PROBE": "1", "ZERO_RECIPES_HARNESS_UNHASHABLE_TOKENIZER": "1"}
 
 
@@ -70,3 +70,11 @@ def test_a_relaunch_reuses_the_rows_and_another_seq_len_prepares_again(scale):
     assert "prepared rows reused from" in runs["relaunch"].output
     assert "prepared rows reused from" not in runs["seq_len"].output
     assert runs["relaunch"].metrics()[0]["loss"] == pytest.approx(runs["small"].metrics()[0]["loss"], rel=1e-6)
+
+
+def test_an_unpicklable_tokenizer_prepares_in_one_process_and_says_so(scale):
+    """The scale runs' tokenizer cannot be pickled (it holds a generator): at --num_proc 2 the main process
+    tokenizes alone, with the line."""
+    _, runs = scale
+    assert "the tokenizer cannot be pickled for worker processes; tokenizing in this process alone" in \
+        runs["large"].output

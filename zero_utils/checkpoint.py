@@ -136,9 +136,9 @@ class Checkpointer:
         self._config_hash, self._global_batch_rows = model_config_hash(model_config), global_batch_rows
         if not self.resume_meta:
             return
-        refuse_another_model(self.resume_meta.get("settings", {}), self.settings)
-        warnings = check_compatible(self.resume_meta, storage=self.storage,
+        warnings = check_compatible(self.resume_meta, storage=self.storage,  # another architecture: refused here
                                     config_hash=self._config_hash, global_batch_rows=global_batch_rows)
+        refuse_another_model(self.resume_meta.get("settings", {}), self.settings)  # the same one from elsewhere
         warnings += changed_settings(self.resume_meta.get("settings", {}), self.settings)
         for warning in warnings:
             self.accelerator.print(f"warning: {warning}")

@@ -37,7 +37,7 @@ from zero_utils.sft_examples import detect_layout, to_messages, tokenize_example
 
 CHUNK_EXAMPLES = 100  # raw examples read and tokenized at a time
 MAX_NUM_PROC = 8  # --num_proc 0 takes this machine's CPUs, at most this many
-PARALLEL_MIN_EXAMPLES = 2000  # a split smaller than this is tokenized in the main process (workers cost seconds)
+PARALLEL_MIN_EXAMPLES = 1000  # a split smaller than this is tokenized in the main process (workers cost seconds)
 WRITE_TOKENS = 1 << 18  # packed tokens buffered (3 Python ints each, ~36 bytes apiece: ~28 MB) before writing
 ROW_COLUMNS = ("input_ids", "labels", "position_ids")
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -196,7 +196,7 @@ def _token_stream(split_raw, name, tokenizer, layout, column_map, num_proc: int,
         tokenized = split_raw.map(
             _tokenize_batch, batched=True, batch_size=CHUNK_EXAMPLES, num_proc=num_proc,
             fn_kwargs={"tokenizer": tokenizer, "layout": layout, "column_map": column_map},
-            remove_columns=split_raw.column_names, load_from_cache_file=False,
+            remove_columns=split_raw.column_names, load_from_cache_file=False, writer_batch_size=CHUNK_EXAMPLES,
             cache_file_name=str(folder / f"{name}.tokens.arrow"), desc=f"tokenize {name}",
             features=Features({"input_ids": Sequence(Value("int32")), "labels": Sequence(Value("int32"))}))
         for chunk in tokenized.iter(batch_size=CHUNK_EXAMPLES):

@@ -20,7 +20,8 @@ Switched on by the environment:
     ZERO_RECIPES_HARNESS_VARLEN_PROBE=1  register the flash-attention stand-in `varlen_probe` (varlen_probe.py)
     ZERO_RECIPES_HARNESS_UNHASHABLE_TOKENIZER=1  the tokenizer holds a generator: `datasets` cannot hash it
     ZERO_RECIPES_HARNESS_RSS_PROBE=1     + "data_prep_rss_anon_bytes_per_rank": [before, peak during] the data
-                                         preparation, RssAnon of the process sampled every 2 ms from /proc
+                                         preparation, RssAnon of the process + its children's private memory
+                                         (--num_proc's workers), sampled every 2 ms from /proc
     ZERO_RECIPES_HARNESS_LOSS_PROBE=1    + "loss_probe_per_rank": the largest logits-shaped tensor step 1 created,
                                          in tokens, and the output head group's FSDP2 all-gathers (loss_probe.py)
     ZERO_RECIPES_HARNESS_REFERENCE_PROBE=1  + "reference_probe_per_rank" (recipes/llama_dpo.py): the most reference
@@ -70,19 +71,41 @@ def _counted(tokenizer):
     return tokenizer
 
 
-def rss_anon_bytes() -> int:
-    """This process's anonymous resident memory (not file-backed pages such as memory-mapped Arrow files)."""
-    with open("/proc/self/status") as f:
+def rss_anon_bytes(pid: int | str = "self") -> int:
+    """A process's anonymous resident memory (not file-backed pages such as memory-mapped Arrow files)."""
+    with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
 
 
+def private_dirty_bytes(pid: int) -> int:
+    """The memory a process wrote that no other process maps (smaps_rollup's Private_Dirty): for a forked worker,
+    what it added, not the parent's pages it still shares copy-on-write (which its RssAnon counts again)."""
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("Private_Dirty:"))
+
+
+def rss_anon_with_children_bytes() -> int:
+    """RssAnon of this process plus the private memory of every process it started that is still alive (the
+    data-preparation workers of --num_proc)."""
+    import psutil
+
+    total = rss_anon_bytes()
+    for child in psutil.Process().children(recursive=True):
+        try:
+            total += private_dirty_bytes(child.pid)
+        except (OSError, StopIteration):  # ended between the listing and the read
+            continue
+    return total
+
+
 class _RssAnonPeak:
-    """Context: RssAnon before, and its peak sampled every 2 ms on a thread while the block runs."""
+    """Context: RssAnon before, and its peak sampled every 2 ms on a thread while the block runs, with the private
+    memory of its children (the tokenizing workers of --num_proc count)."""
 
     def __enter__(self):
         import threading
 
-        self.before = self.peak = rss_anon_bytes()
+        self.before = self.peak = rss_anon_with_children_bytes()
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
@@ -90,12 +113,12 @@ class _RssAnonPeak:
 
     def _sample(self):
         while not self._done.wait(0.002):
-            self.peak = max(self.peak, rss_anon_bytes())
+            self.peak = max(self.peak, rss_anon_with_children_bytes())
 
     def __exit__(self, *exc):
         self._done.set()
         self._thread.join()
-        self.peak = max(self.peak, rss_anon_bytes())
+        self.peak = max(self.peak, rss_anon_with_children_bytes())
 
 
 def _attach_probes() -> None:
