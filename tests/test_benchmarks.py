@@ -129,5 +129,6 @@ def test_data_prep_benchmark_reports_each_corpus(tmp_path):
                           cwd=REPO, env=isolated_env(tmp_path), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads((tmp_path / "data_prep.json").read_text())
-    assert [r["checkout"] for r in rows] == ["this checkout"] * 2 and rows[0]["text_bytes"] < rows[1]["text_bytes"]
-    assert all(0 < r["rss_anon_rise_bytes"] < 10**9 and r["seconds"] > 0 for r in rows)
+    assert [(r["checkout"], r["num_proc"]) for r in rows] == [("this checkout", 1)] * 2 + [("this checkout", 2)] * 2
+    assert rows[0]["text_bytes"] < rows[1]["text_bytes"]
+    assert all(0 < r["rss_anon_rise_bytes"] < 10**9 and r["seconds"] > 0 and r["text_mb_per_s"] > 0 for r in rows)

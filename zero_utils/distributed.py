@@ -95,6 +95,18 @@ def run_on_main_process(accelerator, work, *, poll_s: float = 1.0, share_result:
 ACK_WAIT_S = 60.0
 
 
+def count_over_ranks(accelerator, flag: bool) -> int:
+    """How many ranks pass `flag` True: one small all-reduce (torch.distributed, so a bare accelerate `PartialState`
+    will do); 0 or 1 in a single process. Every rank must call it."""
+    import torch.distributed as dist
+
+    if accelerator.num_processes == 1 or not dist.is_initialized():
+        return int(flag)
+    count = torch.tensor([int(flag)], device=accelerator.device)
+    dist.all_reduce(count)
+    return int(count.item())
+
+
 def local_world_size(accelerator) -> int:
     """Processes on this node: torchrun's LOCAL_WORLD_SIZE, else all of them (one node)."""
     return int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))

@@ -118,9 +118,8 @@ def prepare_rows(accelerator, tokenizer, dataset: DataSource | str, *, seq_len: 
     train, evald, info = open_rows(Path(here["folder"]))
     wrote = not here["reused"] and (accelerator.is_main_process if here["where"] == "main"
                                     else accelerator.is_local_main_process)
-    other_nodes = sum(distributed.per_rank(accelerator, {"node": int(here["where"] == "node" and
-                                                                     accelerator.is_local_main_process)})["node"]) \
-        if accelerator.num_processes > 1 else 0
+    other_nodes = distributed.count_over_ranks(accelerator, here["where"] == "node" and
+                                               accelerator.is_local_main_process)
     return train, evald, {**info, "reused": here["reused"], "prepared_on": here["where"],
                           "nodes_with_own_rows": other_nodes,
                           "cache_files_written": (1 + (evald is not None)) if wrote else 0}
