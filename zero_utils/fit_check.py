@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -67,7 +68,7 @@ def host_memory_available_bytes() -> int:
                                    ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
                                     "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
         try:
-            limit, usage = (open(path).read().strip() for path in (limit_file, usage_file))
+            limit, usage = (Path(path).read_text().strip() for path in (limit_file, usage_file))
             if limit.isdigit() and int(limit) < 2**60:
                 available = min(available, max(0, int(limit) - int(usage)))
                 break
@@ -87,12 +88,11 @@ def device_capacity(device: torch.device, local_processes: int, device_memory: s
             f"host memory available / {local_processes} local process(es)")
 
 
-def lora_fraction(config, lora_config, trust_remote_code: bool = False) -> float:
-    """The LoRA adapters' parameters over the base model's (both counted on the meta device, nothing allocated):
-    the estimator's --lora_fraction for a run with this peft `LoraConfig`."""
+def lora_fraction(base, lora_config) -> float:
+    """The LoRA adapters' parameters over the base model's: the estimator's --lora_fraction for a run with this peft
+    `LoraConfig`. `base`: the model on the meta device (`meta_model`), which gets the adapters (nothing allocated)."""
     from peft import get_peft_model
 
-    base = meta_model(config, trust_remote_code)
     base_params = sum(p.numel() for p in base.parameters())
     adapters = sum(p.numel() for p in get_peft_model(base, lora_config).parameters() if p.requires_grad)
     return adapters / base_params
@@ -139,9 +139,10 @@ def check_fit(accelerator, engine: Engine, model_config, *, seq_len: int, micro_
     Returns a `FitCheck` whose `summary()` goes into summary.json next to the measured peak."""
     if not enabled:
         return FitCheck(None, None)
-    with zero3_init_disabled(accelerator):  # the meta builds below must not be partitioned by DeepSpeed
-        arch = architecture_from_config(model_config, meta_model(model_config, trust_remote_code))
-        fraction = lora_fraction(model_config, lora_config, trust_remote_code) if lora_config is not None else 1.0
+    with zero3_init_disabled(accelerator):  # the meta build must not be partitioned by DeepSpeed
+        base = meta_model(model_config, trust_remote_code)
+        arch = architecture_from_config(model_config, base)
+        fraction = lora_fraction(base, lora_config) if lora_config is not None else 1.0  # adds the adapters: after
     world = accelerator.num_processes
     local = local_world_size(accelerator)
     setup = Setup(num_params=arch.num_params, num_gpus=local, num_nodes=max(1, world // local), hsdp=engine.hsdp,
@@ -152,8 +153,8 @@ def check_fit(accelerator, engine: Engine, model_config, *, seq_len: int, micro_
                   loss_chunk_tokens=loss_chunk_tokens, reference=reference)
     capacity, source = device_capacity(accelerator.device, local, device_memory)
     capacity = min(per_rank(accelerator, {"capacity": capacity})["capacity"])  # one verdict on every rank
-    verdict = fit_verdict(setup, replace(engine, hsdp=False) if engine.hsdp else engine, capacity,
-                          device_is_host=accelerator.device.type == "cpu", recipe=_recipe_path())
+    verdict = fit_verdict(setup, engine, capacity, device_is_host=accelerator.device.type == "cpu",
+                          recipe=_recipe_path())
     check = FitCheck(setup, verdict, source)
     accelerator.print(_term_line(check))
     if verdict.status == "tight":

@@ -166,17 +166,10 @@ class RunMeasurements:
     def eval_loss(self, token_loss_sum, micro_batches) -> float:
         """The mean loss over the answer tokens of held-out `micro_batches` (`data.MicroBatch`, this rank's share),
         all ranks together: `token_loss_sum(micro)` is the summed token loss of one micro-batch, as in training.
-        Runs in eval mode without gradients, one all-reduce at the end; [FSDP2] what the forwards left gathered is
-        freed after. Every rank must call it with as many micro-batches (`TrainingData.eval_batches` does)."""
-        self.model.eval()
-        totals = torch.zeros(2, device=self.device)
-        with torch.no_grad():
-            for micro in micro_batches:
-                totals += torch.stack([token_loss_sum(micro).float(), micro.num_loss_tokens.float()])
-        reshard_after_inference(self.model)  # [FSDP2] free what eval left gathered
-        self.model.train()
-        totals = self.accelerator.reduce(totals, "sum")
-        return (totals[0] / totals[1]).item()
+        `eval_means` with the answer tokens as the count. Every rank must call it with as many micro-batches
+        (`TrainingData.eval_batches` does)."""
+        return self.eval_means(lambda micro: {"loss": token_loss_sum(micro), "count": micro.num_loss_tokens},
+                               micro_batches)["loss"]
 
     def eval_means(self, batch_sums, micro_batches) -> dict[str, float]:
         """Means over held-out data, all ranks together: `batch_sums(batch)` returns {name: summed tensor, ...,
@@ -190,11 +183,11 @@ class RunMeasurements:
                 sums = batch_sums(batch)
                 values = torch.stack([v.float() for v in sums.values()])
                 totals, names = (values if totals is None else totals + values), list(sums)
-        reshard_after_inference(self.model)
+        reshard_after_inference(self.model)  # [FSDP2] free what eval left gathered
         self.model.train()
-        totals = self.accelerator.reduce(totals, "sum").tolist()
-        count = totals[names.index("count")]
-        return {name: total / count for name, total in zip(names, totals, strict=True) if name != "count"}
+        totals = self.accelerator.reduce(totals, "sum")
+        means = (totals / totals[names.index("count")]).tolist()
+        return {name: mean for name, mean in zip(names, means, strict=True) if name != "count"}
 
     def summary(self) -> dict:
         """Medians of step time and tokens/s, the last peaks (max over ranks), model-state bytes measured (max over
