@@ -63,8 +63,8 @@ class Settings:
     dataset_config: str = flag("", "configuration of a Hub data set")
     dataset_revision: str = flag("", "Hub revision (branch, tag or commit) of --dataset")
     columns: str = flag("", "rename columns, e.g. prompt=question,completion=answer")
-    num_proc: int = flag(1, "processes that tokenize the data (0 = this machine's CPUs, at most 8); same rows for any",
-                         min=0)
+    num_proc: int = flag(0, "processes that tokenize the data (0: the main process's CPUs, at most 8); same rows for "
+                         "any", min=0)
     output_dir: str = flag("runs/llama_lora", "where metrics, checkpoints and final/ go")  # [LoRA]
     lora_r: int = flag(16, "LoRA rank", min=1)  # [LoRA]
     lora_alpha: int = flag(32, "LoRA scaling numerator (scale = alpha / r)", min=1)  # [LoRA]

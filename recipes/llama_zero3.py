@@ -75,8 +75,8 @@ class Settings:
     dataset_config: str = flag("", "configuration of a Hub data set")
     dataset_revision: str = flag("", "Hub revision (branch, tag or commit) of --dataset")
     columns: str = flag("", "rename columns, e.g. prompt=question,completion=answer")
-    num_proc: int = flag(1, "processes that tokenize the data (0 = this machine's CPUs, at most 8); same rows for any",
-                         min=0)
+    num_proc: int = flag(0, "processes that tokenize the data (0: the main process's CPUs, at most 8); same rows for "
+                         "any", min=0)
     output_dir: str = flag("runs/llama_zero3", "where metrics, checkpoints and final/ go")
     max_steps: int = flag(150, "optimizer steps", min=1)
     per_device_batch_size: int = flag(4, "rows of seq_len tokens per process per micro-step", min=1)

@@ -1,10 +1,12 @@
 """Data preparation at corpus scale, launched: 4 runs of the unchanged recipe (DDP, 2 processes), continued
 pretraining on synthetic text corpora (jsonl, one document a line) of about 4 MB and 40 MB.
 
-- Memory: the per-rank peak anonymous RSS (`RssAnon`: not the page cache of memory-mapped rows) during preparation
-  rises by less than a quarter of the larger corpus's size from the small corpus to the large one.
-- Once per job: the other rank never calls the tokenizer, and writes no row file, also with a tokenizer `datasets`
-  cannot hash (tests/scripts/harness.py counts the calls per process).
+- Memory: the per-rank peak anonymous RSS (`RssAnon`: not the page cache of memory-mapped rows) during preparation,
+  with the private anonymous memory of the two tokenizing workers (--num_proc 2), rises by less than a quarter of
+  the larger corpus's size from the small corpus to the large one.
+- Once per job: the other rank never calls the tokenizer, and writes no row file (tests/scripts/harness.py counts the
+  calls per process), also with a tokenizer `datasets` cannot hash, which also cannot be pickled for workers: it
+  prepares in the main process alone, with its line.
 - Cache: a relaunch with the same settings reuses the rows and says so in its data line (no tokenizer call anywhere);
   another --seq_len prepares again. The in-process half (every dependency of the key, the packer and sampler against
   the code they replaced) is tests/test_prepared_rows.py.
@@ -21,21 +23,23 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 SMALL_DOCS, LARGE_DOCS = 1100, 11000  # ~4 MB and ~40 MB of text (words of 4 to 6 letters, 300 to 900 a document)
 FLAGS = ("--max_steps", "1", "--seq_len", "256", "--per_device_batch_size", "2", "--eval_fraction", "0.01",
          "--num_proc", "2", "--max_new_tokens", "0", "--report_to", "none")
-PROBES = {"ZERO_RECIPES_HARNESS_RSS_PROBE": "1", "ZERO_RECIPES_HARNESS_UNHASHABLE_TOKENIZER": "1"}
+UNHASHABLE = {"ZERO_RECIPES_HARNESS_UNHASHABLE_TOKENIZER": "1"}
 
 
 @pytest.fixture(scope="module")
 def scale(tmp_path_factory):
     """The four launches, sharing one datasets cache (as relaunches on one machine do)."""
     root = tmp_path_factory.mktemp("scale")
-    env = {**isolated_env(root), **PROBES}
+    env = {**isolated_env(root), "ZERO_RECIPES_HARNESS_RSS_PROBE": "1"}
     corpora = {name: write_corpus(root / f"{name}.jsonl", docs) for name, docs in (("small", SMALL_DOCS),
                                                                                  ("large", LARGE_DOCS))}
     runs = {}
-    for name, corpus, extra in (("small", "small", ()), ("large", "large", ()), ("relaunch", "small", ()),
-                                ("seq_len", "small", ("--seq_len", "128"))):
+    launches = {"small": ("small", ()), "large": ("large", ()), "relaunch": ("small", ()),
+                "seq_len": ("small", ("--seq_len", "128"))}
+    for name, (corpus, extra) in launches.items():
         args = [*FLAGS, "--dataset", str(corpora[corpus]), *extra]
-        runs[name] = launch(root / name, *args, config="ddp", env=env).check()
+        probes = UNHASHABLE if name == "seq_len" else {}  # a tokenizer that cannot be hashed nor pickled
+        runs[name] = launch(root / name, *args, config="ddp", env={**env, **probes}).check()
     return corpora, runs
 
 
@@ -47,12 +51,15 @@ def test_preparation_memory_does_not_grow_with_the_corpus(scale):
     for name in ("small", "large"):
         (before, peak), _ = runs[name].summary()["data_prep_rss_anon_bytes_per_rank"]
         rise[name] = peak - before
+    assert all("(2 tokenizing processes)" in runs[name].output for name in ("small", "large"))  # workers ran
     print(f"RssAnon rise while preparing: small corpus {rise['small'] / 1e6:.1f} MB, large "
           f"{rise['large'] / 1e6:.1f} MB ({large_bytes / 1e6:.1f} MB of text)")
     assert rise["large"] - rise["small"] < large_bytes / 4
 
 
 def test_only_the_main_process_tokenizes_also_with_an_unhashable_tokenizer(scale):
+    """Rank 0's count is its own calls (the eval split's 11 or 110 examples; the train split's are in its workers,
+    and every call with the unhashable tokenizer); rank 1 calls it never."""
     _, runs = scale
     for name in ("small", "large", "seq_len"):
         summary = runs[name].summary()
@@ -73,8 +80,9 @@ def test_a_relaunch_reuses_the_rows_and_another_seq_len_prepares_again(scale):
 
 
 def test_an_unpicklable_tokenizer_prepares_in_one_process_and_says_so(scale):
-    """The scale runs' tokenizer cannot be pickled (it holds a generator): at --num_proc 2 the main process
-    tokenizes alone, with the line."""
+    """The seq_len run's tokenizer cannot be pickled (it holds a generator): at --num_proc 2 the main process
+    tokenizes alone, with the line; the others' can, and their workers tokenize the train split."""
     _, runs = scale
-    assert "the tokenizer cannot be pickled for worker processes; tokenizing in this process alone" in \
-        runs["large"].output
+    line = "the tokenizer cannot be pickled for worker processes; tokenizing in this process alone"
+    assert line in runs["seq_len"].output and "tokenizing processes)" not in runs["seq_len"].output
+    assert line not in runs["small"].output

@@ -6,6 +6,7 @@ rows) is tests/test_data_scale.py."""
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 from types import SimpleNamespace
@@ -232,7 +233,20 @@ def test_rows_are_the_same_for_any_num_proc(tmp_path, tokenizer):
         digests = {hashlib.sha256((Path(info["folder"]) / name).read_bytes()).hexdigest() for *_, info in (one, two)}
         assert len(digests) == 1, name
     assert sorted(p.name for p in Path(two[2]["folder"]).iterdir()) == ["eval.arrow", "info.json", "train.arrow"]
-    assert 1 <= prepared_rows.default_num_proc() <= prepared_rows.MAX_NUM_PROC
+    assert (one[2]["tokenizing_processes"], two[2]["tokenizing_processes"]) == (1, 2)
+    assert "(2 tokenizing processes)" in data.describe(two[2], 128)
+    assert "tokenizing processes" not in data.describe(one[2], 128)
+
+
+def test_num_proc_0_takes_the_cpus_this_process_may_use_at_most_8(tmp_path, tokenizer, monkeypatch):
+    """The default --num_proc 0: the CPUs of this process's affinity mask (not the machine's count), capped at 8."""
+    for cpus, expected in ((range(64), 8), (range(3), 3), (range(1), 1)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, cpus=cpus: set(cpus))
+        assert prepared_rows.default_num_proc() == expected
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 5})
+    monkeypatch.setattr(prepared_rows, "PARALLEL_MIN_EXAMPLES", 1)  # workers on this small corpus
+    info = prepare(tmp_path, tokenizer, write_corpus(tmp_path / "corpus.jsonl", 10), num_proc=0)[2]
+    assert info["tokenizing_processes"] == 2
 
 
 def test_a_tokenizer_that_cannot_be_pickled_prepares_in_one_process_with_a_line(tmp_path, tokenizer, capsys,
@@ -241,7 +255,7 @@ def test_a_tokenizer_that_cannot_be_pickled_prepares_in_one_process_with_a_line(
     unpicklable.unhashable = (n for n in range(1))  # a generator: neither pickle nor dill takes it
     assert not prepared_rows.can_pickle(unpicklable) and prepared_rows.can_pickle(tokenizer)
     monkeypatch.setattr(prepared_rows, "PARALLEL_MIN_EXAMPLES", 1)  # would run workers on this small corpus
-    train, _, _ = prepare(tmp_path, unpicklable, write_corpus(tmp_path / "corpus.jsonl", 10), num_proc=2)
-    assert len(train) > 0
+    train, _, info = prepare(tmp_path, unpicklable, write_corpus(tmp_path / "corpus.jsonl", 10), num_proc=2)
+    assert len(train) > 0 and info["tokenizing_processes"] == 1
     assert "--num_proc 2: the tokenizer cannot be pickled for worker processes; tokenizing in this process alone " \
            "(--num_proc 1)." in capsys.readouterr().out

@@ -132,8 +132,10 @@ def describe(info: dict, seq_len: int) -> str:
     nodes = info.get("nodes_with_own_rows")
     where = f" (and the same rows by the local main process of {nodes} node(s) with their own datasets cache)" \
         if nodes else ""
+    processes = info.get("tokenizing_processes", 1)
+    by = f" ({processes} tokenizing processes)" if processes > 1 else ""
     return line + (f"; prepared rows reused from {info['folder']}{where}" if info.get("reused")
-                   else f"; rows prepared in {info['folder']}{where}" if info.get("folder") else "")
+                   else f"; rows prepared in {info['folder']}{by}{where}" if info.get("folder") else "")
 
 
 def eval_micro_batches(rows, rank: int, world_size: int, per_device_batch_size: int, device):
@@ -209,11 +211,11 @@ class TrainingData:
     @classmethod
     def prepare(cls, accelerator, tokenizer, model_config, *, dataset: DataSource | str, columns: str, seq_len: int,
                 eval_fraction: float, seed: int, per_device_batch_size: int, gradient_accumulation_steps: int,
-                attn_implementation: str, num_proc: int = 1) -> "TrainingData":
+                attn_implementation: str, num_proc: int = 0) -> "TrainingData":
         """Check, load, tokenize and pack `dataset` once per job (`prepared_rows.prepare_rows`: the main process
         prepares, or reuses rows prepared earlier; the others open them) for a model of `model_config`. `dataset`: a
         `DataSource` (--dataset with its split, configuration and revision) or a name. `columns` is the --columns
-        text (`parse_column_map`). `num_proc`: processes that tokenize (0 = this machine's CPUs, at most 8; the rows
+        text (`parse_column_map`). `num_proc`: processes that tokenize (0 = the main process's CPUs, at most 8; the rows
         are the same for any value: `prepared_rows.prepare_rows`)."""
         # Packed rows hold several examples: sdpa/eager keep them apart with per-row block masks, flash-attention
         # with the examples' offsets passed to its varlen kernel; any other implementation is refused here.

@@ -65,8 +65,9 @@ def rows_cache_root() -> Path:
 
 
 def default_num_proc() -> int:
-    """Tokenizing processes for `--num_proc 0`: the CPUs this process may run on, at most MAX_NUM_PROC (the other
-    ranks of the node wait while the main process prepares, so their CPUs are free)."""
+    """Tokenizing processes for `--num_proc 0` (the default): the CPUs this process may run on, at most MAX_NUM_PROC.
+    The node's other ranks wait while its main process prepares, so their CPUs are free; past about 8 the one
+    sequential packing pass in the main process takes most of the time (docs/BENCHMARKS.md, data preparation)."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, min(MAX_NUM_PROC, cpus))
 
@@ -84,7 +85,7 @@ def can_pickle(tokenizer) -> bool:
 
 def prepare_rows(accelerator, tokenizer, dataset: DataSource | str, *, seq_len: int, eval_fraction: float, seed: int,
                  column_map: dict[str, str] | None, pad_token_id: int, cache_root: Path | None = None,
-                 num_proc: int = 1):
+                 num_proc: int = 0):
     """Prepare (or reuse) the packed rows of `dataset` (a `DataSource`, or just its name) once per job; return
     (train, eval, info) on every rank.
 
@@ -99,7 +100,9 @@ def prepare_rows(accelerator, tokenizer, dataset: DataSource | str, *, seq_len: 
     `prepared_on` says "node" there, else "main", and `nodes_with_own_rows` counts such nodes. `num_proc`:
     processes that tokenize (0 = `default_num_proc()`); the packing is one sequential pass over the tokenized
     examples in their order, so the rows are the same for any value; a tokenizer that cannot be pickled tokenizes
-    in one process, with one line saying so. Every rank must call it.
+    in one process, with one line saying so, as does a split under PARALLEL_MIN_EXAMPLES examples; info's
+    `tokenizing_processes` says how many tokenized the train split (every rank gets the preparing process's count).
+    Every rank must call it.
     """
     root = Path(cache_root or rows_cache_root())
 
@@ -159,6 +162,7 @@ def _prepare(tokenizer, dataset, seq_len, eval_fraction, seed, column_map, pad_t
     tmp.mkdir(parents=True)
     info = {"layout": layout, "chat_template": bool(tokenizer.chat_template), "depends_on": depends_on,
             "train_split": repr(train_split), "eval_split": eval_split}
+    info["tokenizing_processes"] = num_proc if len(train_raw) >= PARALLEL_MIN_EXAMPLES else 1
     for name, split_raw in (("train", train_raw), ("eval", eval_raw)):
         counts = _pack_split(split_raw, name, tokenizer, layout, column_map, seq_len, pad_token_id, tmp, num_proc) \
             if split_raw is not None else {"examples": 0, "rows": 0, "truncated": 0, "split_documents": 0,
@@ -262,5 +266,6 @@ def open_rows(folder: Path):
                "train_rows": info["train"]["rows"], "eval_rows": info["eval"]["rows"],
                "truncated_examples": info["train"]["truncated"] + info["eval"]["truncated"],
                "split_documents": info["train"]["split_documents"] + info["eval"]["split_documents"],
-               "max_token_id": max(info["train"]["max_token_id"], info["eval"]["max_token_id"])}
+               "max_token_id": max(info["train"]["max_token_id"], info["eval"]["max_token_id"]),
+               "tokenizing_processes": info.get("tokenizing_processes", 1)}
     return train, evald, summary

@@ -21,7 +21,7 @@ Switched on by the environment:
     ZERO_RECIPES_HARNESS_UNHASHABLE_TOKENIZER=1  the tokenizer holds a generator: `datasets` cannot hash it
     ZERO_RECIPES_HARNESS_RSS_PROBE=1     + "data_prep_rss_anon_bytes_per_rank": [before, peak during] the data
                                          preparation, RssAnon of the process + its children's private memory
-                                         (--num_proc's workers), sampled every 2 ms from /proc
+                                         (--num_proc's workers: anonymous, unshared), sampled every 2 ms from /proc
     ZERO_RECIPES_HARNESS_LOSS_PROBE=1    + "loss_probe_per_rank": the largest logits-shaped tensor step 1 created,
                                          in tokens, and the output head group's FSDP2 all-gathers (loss_probe.py)
     ZERO_RECIPES_HARNESS_REFERENCE_PROBE=1  + "reference_probe_per_rank" (recipes/llama_dpo.py): the most reference
@@ -77,11 +77,21 @@ def rss_anon_bytes(pid: int | str = "self") -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
 
 
-def private_dirty_bytes(pid: int) -> int:
-    """The memory a process wrote that no other process maps (smaps_rollup's Private_Dirty): for a forked worker,
-    what it added, not the parent's pages it still shares copy-on-write (which its RssAnon counts again)."""
-    with open(f"/proc/{pid}/smaps_rollup") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("Private_Dirty:"))
+def private_anonymous_bytes(pid: int) -> int:
+    """The anonymous memory a process holds that no other process maps: per mapping of /proc/PID/smaps, the
+    smaller of Private_Dirty and Anonymous. For a forked worker: what it allocated or copied, not the parent's pages
+    it still shares copy-on-write (which its RssAnon counts again), and not page-cache pages of a file written
+    moments ago and not yet flushed (which smaps counts as Private_Dirty of the one process mapping them)."""
+    total, fields = 0, {}
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("Private_Dirty", "Anonymous"):
+                fields[key] = int(value.split()[0]) * 1024
+                if len(fields) == 2:
+                    total += min(fields.values())
+                    fields = {}
+    return total
 
 
 def rss_anon_with_children_bytes() -> int:
@@ -92,8 +102,8 @@ def rss_anon_with_children_bytes() -> int:
     total = rss_anon_bytes()
     for child in psutil.Process().children(recursive=True):
         try:
-            total += private_dirty_bytes(child.pid)
-        except (OSError, StopIteration):  # ended between the listing and the read
+            total += private_anonymous_bytes(child.pid)
+        except OSError:  # ended between the listing and the read
             continue
     return total
 
