@@ -16,6 +16,7 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from zero_utils import data, data_sources, packing, prepared_rows, sft_examples
+from zero_utils.errors import UserError
 from zero_utils.model import BUNDLED_MODEL
 
 pytestmark = pytest.mark.unit
@@ -249,13 +250,37 @@ def test_num_proc_0_takes_the_cpus_this_process_may_use_at_most_8(tmp_path, toke
     assert info["tokenizing_processes"] == 2
 
 
-def test_a_tokenizer_that_cannot_be_pickled_prepares_in_one_process_with_a_line(tmp_path, tokenizer, capsys,
-                                                                                 monkeypatch):
+def test_a_tokenizer_that_cannot_be_pickled_tokenizes_in_the_forked_workers(tmp_path, tokenizer, monkeypatch):
+    """The workers inherit the tokenizer (fork): one that neither pickle nor dill takes makes the same rows at
+    --num_proc 2 as the picklable one at 1 (`datasets.map(num_proc=2)` would fail on it)."""
+    import dill
+
     unpicklable = AutoTokenizer.from_pretrained(BUNDLED_MODEL)
-    unpicklable.unhashable = (n for n in range(1))  # a generator: neither pickle nor dill takes it
-    assert not prepared_rows.can_pickle(unpicklable) and prepared_rows.can_pickle(tokenizer)
-    monkeypatch.setattr(prepared_rows, "PARALLEL_MIN_EXAMPLES", 1)  # would run workers on this small corpus
-    train, _, info = prepare(tmp_path, unpicklable, write_corpus(tmp_path / "corpus.jsonl", 10), num_proc=2)
-    assert len(train) > 0 and info["tokenizing_processes"] == 1
-    assert "--num_proc 2: the tokenizer cannot be pickled for worker processes; tokenizing in this process alone " \
-           "(--num_proc 1)." in capsys.readouterr().out
+    unpicklable.unhashable = (n for n in range(1))  # a generator
+    with pytest.raises(TypeError):
+        dill.dumps(unpicklable)
+    monkeypatch.setattr(prepared_rows, "PARALLEL_MIN_EXAMPLES", 1)  # workers on this small corpus
+    corpus = write_corpus(tmp_path / "corpus.jsonl", 30)
+    one = prepare(tmp_path, tokenizer, corpus, num_proc=1, cache="one")[2]
+    two = prepare(tmp_path, unpicklable, corpus, num_proc=2, cache="two")[2]
+    assert two["tokenizing_processes"] == 2 and one["train_rows"] > 1
+    assert (Path(one["folder"]) / "train.arrow").read_bytes() == (Path(two["folder"]) / "train.arrow").read_bytes()
+
+
+def test_without_fork_one_process_tokenizes_with_a_line(tmp_path, tokenizer, capsys, monkeypatch):
+    monkeypatch.setattr(prepared_rows.multiprocessing, "get_all_start_methods", lambda: ["spawn"])  # as on Windows
+    monkeypatch.setattr(prepared_rows, "PARALLEL_MIN_EXAMPLES", 1)
+    info = prepare(tmp_path, tokenizer, write_corpus(tmp_path / "corpus.jsonl", 10), num_proc=2)[2]
+    assert info["tokenizing_processes"] == 1
+    assert "--num_proc 2: this platform cannot fork worker processes (they inherit the tokenizer); tokenizing in " \
+           "this process alone (--num_proc 1)." in capsys.readouterr().out
+
+
+def test_a_worker_that_dies_stops_the_preparation_with_one_sentence(tmp_path, tokenizer, monkeypatch):
+    """A worker killed mid-split (as the kernel's OOM killer does) ends the preparation with an error naming
+    --num_proc instead of leaving the job waiting for its chunk forever; no rows are kept."""
+    monkeypatch.setattr(prepared_rows, "PARALLEL_MIN_EXAMPLES", 1)
+    monkeypatch.setattr(prepared_rows, "_tokenize_chunk", lambda *args: os._exit(9))  # the forked workers see it
+    with pytest.raises(UserError, match=r"a --num_proc 2 worker process died while tokenizing .* pass a lower "):
+        prepare(tmp_path, tokenizer, write_corpus(tmp_path / "corpus.jsonl", 10), num_proc=2)
+    assert list((tmp_path / "rows").iterdir()) == []  # nor the half-written folder

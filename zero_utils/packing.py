@@ -80,7 +80,7 @@ class Packer:
         pad = self.seq_len - len(self._ids)
         row = {"input_ids": self._ids + [self.pad_token_id] * pad, "labels": self._labels + [IGNORE_INDEX] * pad,
                "position_ids": self._positions + list(range(pad)),
-               "num_loss_tokens": sum(label != IGNORE_INDEX for label in self._labels)}
+               "num_loss_tokens": len(self._labels) - self._labels.count(IGNORE_INDEX)}
         self._ids, self._labels, self._positions = [], [], []
         self.rows += 1
         return row

@@ -3,11 +3,12 @@
 The main process prepares; every other rank opens the result by its path and never tokenizes (it waits outside
 the collective timeout, `distributed.run_on_main_process`). Preparation streams: the raw dataset (memory-mapped
 Arrow, as `datasets` loads it) is read in chunks of `CHUNK_EXAMPLES` examples, each example tokenized
-(`sft_examples.tokenize_example`) and handed to one sequential `packing.Packer`, whose finished rows are written
-`WRITE_TOKENS` tokens at a time into an Arrow file by `datasets`' own `ArrowWriter`. Arrow, through `datasets`, because
-`Dataset.from_file` memory-maps it: a rank reading rows holds page cache, not process memory, and the rows are
-the same `datasets.Dataset` the rest of the code already slices. Token ids are stored as int32 (half of int64 on
-disk; they become int64 tensors at batching time).
+(`sft_examples.tokenize_example`; with --num_proc N by N forked worker processes, chunk by chunk, while the main
+process packs the chunks already done, in order) and handed to one sequential `packing.Packer`, whose finished rows
+are written `WRITE_TOKENS` tokens at a time into an Arrow file by `datasets`' own `ArrowWriter`. Arrow, through
+`datasets`, because `Dataset.from_file` memory-maps it: a rank reading rows holds page cache, not process memory,
+and the rows are the same `datasets.Dataset` the rest of the code already slices. Token ids are stored as int32
+(half of int64 on disk; they become int64 tensors at batching time).
 
 Where: `<datasets cache>/zero_recipes_rows/<key>/` (the `datasets` cache is `HF_DATASETS_CACHE`, by default under
 `HF_HOME`), holding train.arrow, eval.arrow (when there is held-out data) and info.json, written last: a folder
@@ -25,8 +26,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import multiprocessing
 import os
 import shutil
+from array import array
+from collections import deque
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 from zero_utils import distributed
@@ -38,7 +44,7 @@ from zero_utils.sft_examples import detect_layout, to_messages, tokenize_example
 CHUNK_EXAMPLES = 100  # raw examples read and tokenized at a time
 MAX_NUM_PROC = 8  # --num_proc 0 takes this machine's CPUs, at most this many
 PARALLEL_MIN_EXAMPLES = 1000  # a split smaller than this is tokenized in the main process (workers cost seconds)
-WRITE_TOKENS = 1 << 18  # packed tokens buffered (3 Python ints each, ~36 bytes apiece: ~28 MB) before writing
+WRITE_TOKENS = 1 << 14  # packed tokens buffered (3 Python ints each, ~36 bytes apiece: ~1.8 MB) before writing
 ROW_COLUMNS = ("input_ids", "labels", "position_ids")
 def tokenizer_fingerprint(tokenizer) -> str:
     """A hash of everything the tokenizer turns text into ids with: its class, its full serialisation (a fast
@@ -72,15 +78,10 @@ def default_num_proc() -> int:
     return max(1, min(MAX_NUM_PROC, cpus))
 
 
-def can_pickle(tokenizer) -> bool:
-    """Whether `datasets`' worker processes can receive `tokenizer` (they get it pickled with dill)."""
-    import dill
-
-    try:
-        dill.dumps(tokenizer)
-        return True
-    except Exception:  # noqa: BLE001 - dill raises whatever the object's parts raise
-        return False
+def can_fork() -> bool:
+    """Whether this platform starts worker processes by forking (Linux, macOS): the workers inherit the tokenizer,
+    so any tokenizer works there, picklable or not, and nothing but the raw examples and their tokens is sent."""
+    return "fork" in multiprocessing.get_all_start_methods()
 
 
 def prepare_rows(accelerator, tokenizer, dataset: DataSource | str, *, seq_len: int, eval_fraction: float, seed: int,
@@ -99,8 +100,8 @@ def prepare_rows(accelerator, tokenizer, dataset: DataSource | str, *, seq_len: 
     each node its own `datasets` cache) prepares the same rows (the key is the same) on its local main process:
     `prepared_on` says "node" there, else "main", and `nodes_with_own_rows` counts such nodes. `num_proc`:
     processes that tokenize (0 = `default_num_proc()`); the packing is one sequential pass over the tokenized
-    examples in their order, so the rows are the same for any value; a tokenizer that cannot be pickled tokenizes
-    in one process, with one line saying so, as does a split under PARALLEL_MIN_EXAMPLES examples; info's
+    examples in their order, so the rows are the same for any value; a split under PARALLEL_MIN_EXAMPLES examples,
+    or a platform that cannot fork (the line says so), tokenizes in one process; info's
     `tokenizing_processes` says how many tokenized the train split (every rank gets the preparing process's count).
     Every rank must call it.
     """
@@ -153,9 +154,9 @@ def _prepare(tokenizer, dataset, seq_len, eval_fraction, seed, column_map, pad_t
         eval_split = f"{eval_fraction:g} of {train_split!r} held out"
     elif eval_split:
         eval_split = repr(eval_split)
-    if num_proc > 1 and not can_pickle(tokenizer):
-        print(f"--num_proc {num_proc}: the tokenizer cannot be pickled for worker processes; tokenizing in this "
-              "process alone (--num_proc 1).")
+    if num_proc > 1 and not can_fork():
+        print(f"--num_proc {num_proc}: this platform cannot fork worker processes (they inherit the tokenizer); "
+              "tokenizing in this process alone (--num_proc 1).")
         num_proc = 1
     tmp = folder.parent / f".tmp_{folder.name}_{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -163,11 +164,14 @@ def _prepare(tokenizer, dataset, seq_len, eval_fraction, seed, column_map, pad_t
     info = {"layout": layout, "chat_template": bool(tokenizer.chat_template), "depends_on": depends_on,
             "train_split": repr(train_split), "eval_split": eval_split}
     info["tokenizing_processes"] = num_proc if len(train_raw) >= PARALLEL_MIN_EXAMPLES else 1
-    for name, split_raw in (("train", train_raw), ("eval", eval_raw)):
-        counts = _pack_split(split_raw, name, tokenizer, layout, column_map, seq_len, pad_token_id, tmp, num_proc) \
-            if split_raw is not None else {"examples": 0, "rows": 0, "truncated": 0, "split_documents": 0,
-                                           "max_token_id": 0}
-        info[name] = counts
+    try:
+        for name, split_raw in (("train", train_raw), ("eval", eval_raw)):
+            info[name] = _pack_split(split_raw, name, tokenizer, layout, column_map, seq_len, pad_token_id, tmp,
+                                     num_proc) if split_raw is not None else \
+                {"examples": 0, "rows": 0, "truncated": 0, "split_documents": 0, "max_token_id": 0}
+    except BaseException:  # an error, or Ctrl-C: no half-written folder stays behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if info["train"]["rows"] == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         raise UserError(f"--dataset {source.name!r} yields no trainable tokens after formatting; "
@@ -182,34 +186,60 @@ def _prepare(tokenizer, dataset, seq_len, eval_fraction, seed, column_map, pad_t
     return {"folder": str(folder), "reused": False}
 
 
-def _tokenize_batch(batch: dict, tokenizer, layout: str, column_map) -> dict:
-    """`datasets.map` worker: a batch of raw examples -> their input_ids and shifted labels (sft_examples)."""
-    examples = [dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)]
-    tokens = [tokenize_example(tokenizer, to_messages(example, layout, column_map)) for example in examples]
-    return {"input_ids": [t["input_ids"] for t in tokens], "labels": [t["labels"] for t in tokens]}
+def _tokenize_chunk(chunk: dict, tokenizer, layout: str, column_map) -> list[tuple[list[int], list[int]]]:
+    """A chunk of raw examples (column -> values, as `Dataset.iter` gives them) -> each example's (input_ids,
+    labels), labels shifted (`sft_examples.tokenize_example`)."""
+    tokens = [tokenize_example(tokenizer, to_messages(dict(zip(chunk, values, strict=True)), layout, column_map))
+              for values in zip(*chunk.values(), strict=True)]
+    return [(t["input_ids"], t["labels"]) for t in tokens]
 
 
-def _token_stream(split_raw, name, tokenizer, layout, column_map, num_proc: int, folder: Path):
-    """Each example's (input_ids, labels), in the split's order. With num_proc > 1 (and a split large enough to pay
-    for the workers) `datasets.map` tokenizes in num_proc processes into `<folder>/<name>.tokens*.arrow` (memory-mapped,
-    removed once packed); else this process tokenizes CHUNK_EXAMPLES examples at a time."""
-    if num_proc > 1 and len(split_raw) >= PARALLEL_MIN_EXAMPLES:
-        from datasets import Features, Sequence, Value
+_worker_args: tuple = ()  # a worker process's (tokenizer, layout, column_map), inherited from its parent
 
-        tokenized = split_raw.map(
-            _tokenize_batch, batched=True, batch_size=CHUNK_EXAMPLES, num_proc=num_proc,
-            fn_kwargs={"tokenizer": tokenizer, "layout": layout, "column_map": column_map},
-            remove_columns=split_raw.column_names, load_from_cache_file=False, writer_batch_size=CHUNK_EXAMPLES,
-            cache_file_name=str(folder / f"{name}.tokens.arrow"), desc=f"tokenize {name}",
-            features=Features({"input_ids": Sequence(Value("int32")), "labels": Sequence(Value("int32"))}))
-        for chunk in tokenized.iter(batch_size=CHUNK_EXAMPLES):
-            yield from zip(chunk["input_ids"], chunk["labels"], strict=True)
+
+def _start_worker(tokenizer, layout, column_map) -> None:
+    global _worker_args
+    _worker_args = (tokenizer, layout, column_map)
+
+
+def _tokenize_in_worker(chunk: dict) -> list[tuple[array, array]]:
+    """A worker's chunk of examples -> their tokens as int32 arrays: 4 bytes a token to send back and to hold while
+    waiting to be packed (a Python int list costs about 36)."""
+    return [(array("i", ids), array("i", labels)) for ids, labels in _tokenize_chunk(chunk, *_worker_args)]
+
+
+def _as_lists(future):
+    """The examples of a worker's finished chunk, each (input_ids, labels) as lists again."""
+    for ids, labels in future.result():
+        yield ids.tolist(), labels.tolist()
+
+
+def _token_stream(split_raw, tokenizer, layout, column_map, num_proc: int):
+    """Each example's (input_ids, labels), in the split's order, tokenized CHUNK_EXAMPLES examples at a time. With
+    num_proc > 1 (and a split of PARALLEL_MIN_EXAMPLES or more, which pays for the workers) num_proc forked worker
+    processes tokenize the chunks while this process packs the ones already done, in order; at most 2 x num_proc
+    chunks are in flight, so memory stays bounded whatever the split's size. A worker that dies (killed for
+    memory) stops the preparation with a `UserError` rather than hanging the job."""
+    chunks = split_raw.iter(batch_size=CHUNK_EXAMPLES)
+    if num_proc == 1 or len(split_raw) < PARALLEL_MIN_EXAMPLES:
+        for chunk in chunks:
+            yield from _tokenize_chunk(chunk, tokenizer, layout, column_map)
         return
-    for chunk in split_raw.iter(batch_size=CHUNK_EXAMPLES):
-        for values in zip(*chunk.values(), strict=True):
-            tokens = tokenize_example(tokenizer, to_messages(dict(zip(chunk, values, strict=True)), layout,
-                                                             column_map))
-            yield tokens["input_ids"], tokens["labels"]
+    pool = ProcessPoolExecutor(num_proc, mp_context=multiprocessing.get_context("fork"),
+                               initializer=_start_worker, initargs=(tokenizer, layout, column_map))
+    in_flight = deque()
+    try:
+        for chunk in chunks:
+            in_flight.append(pool.submit(_tokenize_in_worker, chunk))
+            if len(in_flight) == 2 * num_proc:
+                yield from _as_lists(in_flight.popleft())
+        while in_flight:
+            yield from _as_lists(in_flight.popleft())
+    except BrokenProcessPool:
+        raise UserError(f"a --num_proc {num_proc} worker process died while tokenizing (killed for lack of memory?); "
+                        "pass a lower --num_proc, or 1.") from None
+    finally:
+        pool.shutdown(cancel_futures=True)
 
 
 def _pack_split(split_raw, name, tokenizer, layout, column_map, seq_len, pad_token_id, folder: Path,
@@ -234,15 +264,13 @@ def _pack_split(split_raw, name, tokenizer, layout, column_map, seq_len, pad_tok
             pool.release_unused()  # Arrow's allocator keeps freed blocks: give them back, or they grow with the corpus
 
     with tqdm(total=len(split_raw), unit="ex", desc=f"tokenize and pack {name} to {seq_len}") as progress:
-        for input_ids, labels in _token_stream(split_raw, name, tokenizer, layout, column_map, num_proc, folder):
+        for input_ids, labels in _token_stream(split_raw, tokenizer, layout, column_map, num_proc):
             max_token_id = max(max_token_id, max(input_ids, default=0))
             write(packer.add(input_ids, labels, split_long=layout == "text"))
             progress.update(1)
     write(packer.finish(), final=True)
     writer.finalize()
     writer.close()
-    for tokens in folder.glob(f"{name}.tokens*.arrow"):  # the workers' output, packed now
-        tokens.unlink()
     return {"examples": packer.examples, "rows": packer.rows, "truncated": packer.truncated,
             "split_documents": packer.split_documents, "max_token_id": max_token_id}
 
