@@ -8,7 +8,10 @@ prepares each one in a fresh process with a fresh datasets cache, one process pe
 tokenizer, --seq_len 256, 1% held out, this checkout at each --num_proc (the other at 1: it has no workers).
 Measured: the rise of anonymous resident memory (`RssAnon` of the process and its workers, sampled every 2 ms from
 /proc; memory-mapped files are page cache and do not count) from just before preparing to its peak, per byte of
-text, and the throughput (MB of text per second of preparation). Prints a table and writes data_prep.json.
+text, and the throughput (MB of text per second of preparation). At --num_proc 1 this checkout also times the
+tokenizer calls: the rest (reading, packing, writing: the main process's one sequential pass) bounds the throughput
+any --num_proc can reach. And, in a fresh process as any rank that did not prepare, the rise of opening the prepared
+rows and the number of record batches of train.arrow. Prints a table and writes data_prep.json.
 Units: MB = 1e6 bytes, seconds.
 """
 
@@ -34,6 +37,7 @@ from transformers import AutoTokenizer
 import datasets  # imported before the probe under both checkouts
 tokenizer = AutoTokenizer.from_pretrained(os.path.join(tree, "zero_utils", "assets", "tiny-llama"))
 one_process = SimpleNamespace(is_main_process=True, num_processes=1)
+tokenizing = None  # seconds in the tokenizer, timed at --num_proc 1 (all of it in this process)
 start = time.perf_counter()
 with _RssAnonPeak() as probe:
     if not os.path.exists(os.path.join(tree, "zero_utils", "prepared_rows.py")):  # before streamed preparation
@@ -42,9 +46,42 @@ with _RssAnonPeak() as probe:
     else:
         from zero_utils import prepared_rows
         workers = {"num_proc": num_proc} if hasattr(prepared_rows, "default_num_proc") else {}
-        prepared_rows.prepare_rows(one_process, tokenizer, corpus, seq_len=256, eval_fraction=0.01, seed=0,
-                                   column_map=None, pad_token_id=tokenizer.pad_token_id or 0, **workers)
-print(json.dumps({"rss_anon_rise_bytes": probe.peak - probe.before, "seconds": time.perf_counter() - start}))
+        if num_proc == 1 and hasattr(prepared_rows, "_tokenize_chunk"):  # time the tokenizing share
+            tokenize_chunk, tokenizing = prepared_rows._tokenize_chunk, [0.0]
+
+            def timed_tokenize_chunk(*args):
+                begin = time.perf_counter()
+                tokens = tokenize_chunk(*args)
+                tokenizing[0] += time.perf_counter() - begin
+                return tokens
+
+            prepared_rows._tokenize_chunk = timed_tokenize_chunk
+        *_, info = prepared_rows.prepare_rows(one_process, tokenizer, corpus, seq_len=256, eval_fraction=0.01,
+                                              seed=0, column_map=None, pad_token_id=tokenizer.pad_token_id or 0,
+                                              **workers)
+seconds = time.perf_counter() - start
+print(json.dumps({"rss_anon_rise_bytes": probe.peak - probe.before, "seconds": seconds,
+                  **({"seconds_not_tokenizing": seconds - tokenizing[0]} if tokenizing else {}),
+                  **({"folder": info["folder"]} if "info" in globals() else {})}))
+"""
+
+# Run in another child process: what a rank that only reads the rows pays to open them (the checkout's open_rows).
+OPEN_CHILD = r"""
+import json, os, sys
+from pathlib import Path
+tree, folder = sys.argv[1], sys.argv[3]
+sys.path.insert(0, tree)
+sys.path.insert(0, os.path.join(sys.argv[2], "tests", "scripts"))
+import pyarrow
+from harness import rss_anon_bytes
+from zero_utils import prepared_rows
+import datasets  # imported before measuring, as the recipe has
+before = rss_anon_bytes()
+rows = prepared_rows.open_rows(Path(folder))
+opened = rss_anon_bytes() - before
+with pyarrow.memory_map(os.path.join(folder, "train.arrow")) as source:
+    batches = sum(1 for _ in pyarrow.ipc.open_stream(source))
+print(json.dumps({"open_rss_anon_rise_bytes": opened, "train_record_batches": batches}))
 """
 
 
@@ -74,12 +111,25 @@ def main() -> None:
                     raise SystemExit(f"{name} on {corpus.name} failed:\n{proc.stderr[-3000:]}")
                 row = {"checkout": name, "num_proc": int(num_proc), "text_bytes": corpus.stat().st_size,
                        **json.loads(proc.stdout.splitlines()[-1])}
+                if "folder" in row:  # what every other rank holds for the rows: opened in a fresh process
+                    opened = subprocess.run([sys.executable, "-c", OPEN_CHILD, str(tree), str(REPO),
+                                             row.pop("folder")],
+                                            text=True, capture_output=True, env=_env(), check=True)
+                    row.update(json.loads(opened.stdout.splitlines()[-1]))
                 row["rss_per_text_byte"] = row["rss_anon_rise_bytes"] / row["text_bytes"]
                 row["text_mb_per_s"] = row["text_bytes"] / 1e6 / row["seconds"]
                 results.append(row)
                 print(f"{name:<14} num_proc {num_proc} {row['text_bytes'] / 1e6:6.1f} MB of text: RssAnon rise "
                       f"{row['rss_anon_rise_bytes'] / 1e6:8.1f} MB ({row['rss_per_text_byte']:.2f} B per byte), "
                       f"{row['seconds']:5.1f} s, {row['text_mb_per_s']:.2f} MB/s", flush=True)
+                if "train_record_batches" in row:
+                    print(f"{'':<14} opening the rows (another rank): RssAnon rise "
+                          f"{row['open_rss_anon_rise_bytes'] / 1e6:.1f} MB, {row['train_record_batches']} record "
+                          "batches", flush=True)
+                if "seconds_not_tokenizing" in row:  # the one main process's share: reading, packing, writing
+                    row["main_process_mb_per_s"] = row["text_bytes"] / 1e6 / row["seconds_not_tokenizing"]
+                    print(f"{'':<14} of which not tokenizing {row['seconds_not_tokenizing']:5.1f} s: at most "
+                          f"{row['main_process_mb_per_s']:.2f} MB/s with any --num_proc", flush=True)
     (out / "data_prep.json").write_text(json.dumps(results, indent=1) + "\n")
 
 

@@ -132,3 +132,7 @@ def test_data_prep_benchmark_reports_each_corpus(tmp_path):
     assert [(r["checkout"], r["num_proc"]) for r in rows] == [("this checkout", 1)] * 2 + [("this checkout", 2)] * 2
     assert rows[0]["text_bytes"] < rows[1]["text_bytes"]
     assert all(0 < r["rss_anon_rise_bytes"] < 10**9 and r["seconds"] > 0 and r["text_mb_per_s"] > 0 for r in rows)
+    # at --num_proc 1 the tokenizer's calls are timed: the rest, the main process's own pass, is a part of the whole
+    assert all(0 < r["seconds_not_tokenizing"] < r["seconds"] for r in rows if r["num_proc"] == 1)
+    assert all("seconds_not_tokenizing" not in r for r in rows if r["num_proc"] == 2)
+    assert all(r["train_record_batches"] >= 1 and r["open_rss_anon_rise_bytes"] < 10**9 for r in rows)

@@ -11,6 +11,7 @@ import random
 from pathlib import Path
 from types import SimpleNamespace
 
+import pyarrow
 import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -103,11 +104,16 @@ def test_rows_do_not_depend_on_the_chunk_sizes(tmp_path, tokenizer, monkeypatch)
     stay the reference's."""
     monkeypatch.setattr(prepared_rows, "CHUNK_EXAMPLES", 7)
     monkeypatch.setattr(prepared_rows, "WRITE_TOKENS", 3 * 96)
-    train, _, _ = prepare(tmp_path, tokenizer, data.BUNDLED_DATASET, seq_len=96)
+    train, _, info = prepare(tmp_path, tokenizer, data.BUNDLED_DATASET, seq_len=96)
     split = data_sources.load_raw_dataset(data.BUNDLED_DATASET)["train"]
     tokenized = [sft_examples.tokenize_example(tokenizer, sft_examples.to_messages(ex, "messages")) for ex in split]
     expected, _ = reference_pack_examples(tokenized, 96, data.pad_token_id_within(tokenizer, len(tokenizer)))
     assert as_lists(train) == expected
+    # pyarrow reads the file as record batches of WRITE_TOKENS tokens (every rank opening the rows holds a few KB of
+    # metadata per batch, so their size, not the buffer's convenience, sets it), the last one the rest
+    with pyarrow.memory_map(str(Path(info["folder"]) / "train.arrow")) as source:
+        sizes = [batch.num_rows for batch in pyarrow.ipc.open_stream(source)]
+    assert sizes == [3] * (len(expected) // 3) + ([len(expected) % 3] if len(expected) % 3 else [])
 
 
 def test_the_epoch_sampler_draws_the_reference_order_once_per_epoch():

@@ -44,7 +44,8 @@ from zero_utils.sft_examples import detect_layout, to_messages, tokenize_example
 CHUNK_EXAMPLES = 100  # raw examples read and tokenized at a time
 MAX_NUM_PROC = 8  # --num_proc 0 takes this machine's CPUs, at most this many
 PARALLEL_MIN_EXAMPLES = 1000  # a split smaller than this is tokenized in the main process (workers cost seconds)
-WRITE_TOKENS = 1 << 14  # packed tokens buffered (3 Python ints each, ~36 bytes apiece: ~1.8 MB) before writing
+WRITE_TOKENS = 1 << 20  # tokens of rows per record batch (buffered as int32: 12 bytes a token, ~12.6 MB); every
+# rank opening the rows holds ~3.4 KB per record batch of the file (pyarrow's table of batches), so fewer is better
 ROW_COLUMNS = ("input_ids", "labels", "position_ids")
 def tokenizer_fingerprint(tokenizer) -> str:
     """A hash of everything the tokenizer turns text into ids with: its class, its full serialisation (a fast
@@ -246,21 +247,31 @@ def _pack_split(split_raw, name, tokenizer, layout, column_map, seq_len, pad_tok
                 num_proc: int = 1) -> dict:
     """Tokenize (`_token_stream`: in num_proc processes) and pack one split in one sequential pass, WRITE_TOKENS
     tokens of rows at a time; write `<folder>/<name>.arrow`. Returns its counts."""
+    import numpy as np
     import pyarrow
     from datasets import Features, Sequence, Value
     from datasets.arrow_writer import ArrowWriter
     from tqdm.auto import tqdm
 
     features = Features({**{c: Sequence(Value("int32")) for c in ROW_COLUMNS}, "num_loss_tokens": Value("int32")})
-    packer, max_token_id, pending, pool = Packer(seq_len, pad_token_id), 0, [], pyarrow.default_memory_pool()
+    packer, max_token_id, pool = Packer(seq_len, pad_token_id), 0, pyarrow.default_memory_pool()
     write_rows = max(1, WRITE_TOKENS // seq_len)
     writer = ArrowWriter(features=features, path=str(folder / f"{name}.arrow"), writer_batch_size=write_rows)
+    values, loss_tokens = {c: array("i") for c in ROW_COLUMNS}, array("i")  # the rows waiting, flat int32
 
     def write(rows, final=False):
-        pending.extend(rows)
-        if pending and (final or len(pending) >= write_rows):
-            writer.write_batch({k: [r[k] for r in pending] for k in features})
-            pending.clear()
+        for row in rows:
+            for column in ROW_COLUMNS:
+                values[column].extend(row[column])
+            loss_tokens.append(row["num_loss_tokens"])
+        if loss_tokens and (final or len(loss_tokens) >= write_rows):  # one record batch
+            offsets = pyarrow.array(np.arange(len(loss_tokens) + 1, dtype=np.int32) * seq_len)
+            writer.write_table(pyarrow.table(
+                {**{c: pyarrow.ListArray.from_arrays(offsets, np.frombuffer(values[c], dtype=np.int32))
+                    for c in ROW_COLUMNS}, "num_loss_tokens": np.frombuffer(loss_tokens, dtype=np.int32)}))
+            for column in ROW_COLUMNS:
+                del values[column][:]
+            del loss_tokens[:]
             pool.release_unused()  # Arrow's allocator keeps freed blocks: give them back, or they grow with the corpus
 
     with tqdm(total=len(split_raw), unit="ex", desc=f"tokenize and pack {name} to {seq_len}") as progress:
