@@ -18,7 +18,8 @@ Features, the flag that controls each, and its cost:
                 per-example position ids; --attn_implementation sdpa/eager keep examples apart with block
                 masks, flash_attention_2/3/4 with varlen offsets (others refused); loss only on answer tokens
                 (text: every token, long documents split into windows); rows prepared once per job in bounded
-                memory and reused by a relaunch with the same data and settings (zero_utils/prepared_rows.py)
+                memory and reused by a relaunch with the same data and settings (zero_utils/prepared_rows.py),
+                tokenized by --num_proc forked processes (default the CPUs, at most 8; ~20 MB of RAM each)
     batch       --per_device_batch_size x --gradient_accumulation_steps x processes = global batch; the loss
                 is the mean over the global batch's answer tokens, so in fp32 the engine never changes the maths
                 (in bf16 each engine rounds its own way: docs/PRECISION.md)

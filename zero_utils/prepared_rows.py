@@ -44,7 +44,7 @@ from zero_utils.sft_examples import detect_layout, to_messages, tokenize_example
 CHUNK_EXAMPLES = 100  # raw examples read and tokenized at a time
 MAX_NUM_PROC = 8  # --num_proc 0 takes this machine's CPUs, at most this many
 PARALLEL_MIN_EXAMPLES = 1000  # a split smaller than this is tokenized in the main process (workers cost seconds)
-WRITE_TOKENS = 1 << 20  # tokens of rows per record batch (buffered as int32: 12 bytes a token, ~12.6 MB); every
+WRITE_TOKENS = 1 << 20  # tokens of rows per record batch (buffered as int32, 12 bytes a token: ~12.6 MB); every
 # rank opening the rows holds ~3.4 KB per record batch of the file (pyarrow's table of batches), so fewer is better
 ROW_COLUMNS = ("input_ids", "labels", "position_ids")
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -257,22 +257,30 @@ def _pack_split(split_raw, name, tokenizer, layout, column_map, seq_len, pad_tok
     packer, max_token_id, pool = Packer(seq_len, pad_token_id), 0, pyarrow.default_memory_pool()
     write_rows = max(1, WRITE_TOKENS // seq_len)
     writer = ArrowWriter(features=features, path=str(folder / f"{name}.arrow"), writer_batch_size=write_rows)
-    values, loss_tokens = {c: array("i") for c in ROW_COLUMNS}, array("i")  # the rows waiting, flat int32
+    # the rows waiting to be written, in buffers allocated once (int32, 12 bytes a token): nothing grows or is freed
+    waiting = {c: np.empty((write_rows, seq_len), dtype=np.int32) for c in ROW_COLUMNS}
+    waiting_loss_tokens, count = np.empty(write_rows, dtype=np.int32), 0
 
     def write(rows, final=False):
+        nonlocal count
         for row in rows:
             for column in ROW_COLUMNS:
-                values[column].extend(row[column])
-            loss_tokens.append(row["num_loss_tokens"])
-        if loss_tokens and (final or len(loss_tokens) >= write_rows):  # one record batch
-            offsets = pyarrow.array(np.arange(len(loss_tokens) + 1, dtype=np.int32) * seq_len)
-            writer.write_table(pyarrow.table(
-                {**{c: pyarrow.ListArray.from_arrays(offsets, np.frombuffer(values[c], dtype=np.int32))
-                    for c in ROW_COLUMNS}, "num_loss_tokens": np.frombuffer(loss_tokens, dtype=np.int32)}))
-            for column in ROW_COLUMNS:
-                del values[column][:]
-            del loss_tokens[:]
-            pool.release_unused()  # Arrow's allocator keeps freed blocks: give them back, or they grow with the corpus
+                waiting[column][count] = row[column]
+            waiting_loss_tokens[count] = row["num_loss_tokens"]
+            count += 1
+            if count == write_rows:
+                flush()
+        if final and count:
+            flush()
+
+    def flush():  # one record batch of `count` rows
+        nonlocal count
+        offsets = pyarrow.array(np.arange(count + 1, dtype=np.int32) * seq_len)
+        writer.write_table(pyarrow.table(
+            {**{c: pyarrow.ListArray.from_arrays(offsets, waiting[c][:count].reshape(-1)) for c in ROW_COLUMNS},
+             "num_loss_tokens": waiting_loss_tokens[:count]}))
+        count = 0
+        pool.release_unused()  # Arrow's allocator keeps freed blocks: give them back, or they grow with the corpus
 
     with tqdm(total=len(split_raw), unit="ex", desc=f"tokenize and pack {name} to {seq_len}") as progress:
         for input_ids, labels in _token_stream(split_raw, tokenizer, layout, column_map, num_proc):
