@@ -290,3 +290,19 @@ def test_a_worker_that_dies_stops_the_preparation_with_one_sentence(tmp_path, to
     with pytest.raises(UserError, match=r"a --num_proc 2 worker process died while tokenizing .* pass a lower "):
         prepare(tmp_path, tokenizer, write_corpus(tmp_path / "corpus.jsonl", 10), num_proc=2)
     assert list((tmp_path / "rows").iterdir()) == []  # nor the half-written folder
+
+
+def test_a_node_prepares_its_own_rows_unless_it_sees_the_main_process_ones(tmp_path):
+    """How a node's local main process decides (the launched half, each node its own cache folder, is
+    tests/test_multinode.py): the main process's rows at the same path and complete there are opened; the same path
+    on a local disk the main process never wrote (no shared file system), a half-written folder, or a cache folder
+    of the node's own, make it prepare."""
+    shared = tmp_path / "cache"
+    main_folder = shared / "0123abcd"
+    assert not prepared_rows.sees_rows_of_main_process(shared, main_folder)  # this node's disk: nothing there
+    main_folder.mkdir(parents=True)
+    (main_folder / "train.arrow").write_bytes(b"")
+    assert not prepared_rows.sees_rows_of_main_process(shared, main_folder)  # incomplete: no info.json yet
+    (main_folder / "info.json").write_text("{}")
+    assert prepared_rows.sees_rows_of_main_process(shared, main_folder)
+    assert not prepared_rows.sees_rows_of_main_process(tmp_path / "node1_cache", main_folder)

@@ -73,8 +73,10 @@ def rows_cache_root() -> Path:
 
 def default_num_proc() -> int:
     """Tokenizing processes for `--num_proc 0` (the default): the CPUs this process may run on, at most MAX_NUM_PROC.
-    The node's other ranks wait while its main process prepares, so their CPUs are free; past about 8 the one
-    sequential packing pass in the main process takes most of the time (docs/BENCHMARKS.md, data preparation)."""
+    The node's other ranks wait while its main process prepares, so their CPUs are free. The main process's one
+    sequential pass (reading, packing, writing) bounds the throughput of any number: it kept up with about 3.6
+    tokenizing workers on the plain-text corpus of docs/BENCHMARKS.md (section 7); data that costs more to
+    tokenize (a chat template renders each example first) keeps more busy, hence up to 8, about 18 MB of RAM each."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, min(MAX_NUM_PROC, cpus))
 
@@ -97,8 +99,9 @@ def prepare_rows(accelerator, tokenizer, dataset: DataSource | str, *, seq_len: 
     both: `data_sources.choose_splits`). info: the splits, layout, example, row,
     truncation and split-document counts, max_token_id, the folder, `reused` (found prepared) and
     `cache_files_written` (row files this rank wrote: 0 off the main process). `cache_root`: where rows are kept
-    (default `rows_cache_root()`, on each node); a node whose cache is not the main process's (no shared file system:
-    each node its own `datasets` cache) prepares the same rows (the key is the same) on its local main process:
+    (default `rows_cache_root()`, on each node); a node that does not see the main process's rows in its own cache
+    (`sees_rows_of_main_process`: no shared file system, or each node its own `datasets` cache) prepares the same
+    rows (the key is the same) on its local main process:
     `prepared_on` says "node" there, else "main", and `nodes_with_own_rows` counts such nodes. `num_proc`:
     processes that tokenize (0 = `default_num_proc()`); the packing is one sequential pass over the tokenized
     examples in their order, so the rows are the same for any value; a split under PARALLEL_MIN_EXAMPLES examples,
@@ -114,8 +117,8 @@ def prepare_rows(accelerator, tokenizer, dataset: DataSource | str, *, seq_len: 
 
     prepared = distributed.run_on_main_process(accelerator, prepare, share_result=True)
 
-    def on_this_node():  # a node whose datasets cache is not the main process's (no shared file system) makes its own
-        if root / Path(prepared["folder"]).name == Path(prepared["folder"]):
+    def on_this_node():  # a node without the main process's rows (no shared file system) makes its own
+        if sees_rows_of_main_process(root, Path(prepared["folder"])):
             return {**prepared, "where": "main"}
         return {**prepare(), "where": "node"}  # the same key: the same rows, or the ones this node kept
 
@@ -128,6 +131,13 @@ def prepare_rows(accelerator, tokenizer, dataset: DataSource | str, *, seq_len: 
     return train, evald, {**info, "reused": here["reused"], "prepared_on": here["where"],
                           "nodes_with_own_rows": other_nodes,
                           "cache_files_written": (1 + (evald is not None)) if wrote else 0}
+
+
+def sees_rows_of_main_process(cache_root: Path, main_folder: Path) -> bool:
+    """Whether a node opens the rows the main process prepared in `main_folder`: its own rows cache (`cache_root`)
+    is the same path and the folder is complete there (a shared file system). A node with a cache of its own, or
+    whose same path is a local disk the main process never wrote, prepares the same rows itself."""
+    return cache_root / main_folder.name == main_folder and (main_folder / "info.json").is_file()
 
 
 def _prepare(tokenizer, dataset, seq_len, eval_fraction, seed, column_map, pad_token_id, cache_root: Path,
