@@ -229,8 +229,8 @@ def test_a_tokenizer_datasets_cannot_hash_is_keyed_and_reused(tmp_path, tokenize
 
 def test_rows_are_the_same_for_any_num_proc(tmp_path, tokenizer):
     """The bundled 4,000 examples (held-out 5%: the train split is above PARALLEL_MIN_EXAMPLES) tokenized by 2
-    worker processes and packed in one pass: the same rows, byte for byte, as one process makes; the workers'
-    token files are gone."""
+    worker processes and packed in one pass: the same rows, byte for byte, as one process makes; the rows'
+    folder holds the rows and info.json, nothing else."""
     import hashlib
 
     one = prepare(tmp_path, tokenizer, data.BUNDLED_DATASET, eval_fraction=0.05, num_proc=1, cache="one")
