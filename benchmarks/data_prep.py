@@ -38,6 +38,7 @@ import datasets  # imported before the probe under both checkouts
 tokenizer = AutoTokenizer.from_pretrained(os.path.join(tree, "zero_utils", "assets", "tiny-llama"))
 one_process = SimpleNamespace(is_main_process=True, num_processes=1)
 tokenizing = None  # seconds in the tokenizer, timed at --num_proc 1 (all of it in this process)
+info = None  # prepare_rows' summary (checkouts that have it)
 start = time.perf_counter()
 with _RssAnonPeak() as probe:
     if not os.path.exists(os.path.join(tree, "zero_utils", "prepared_rows.py")):  # before streamed preparation
@@ -62,7 +63,7 @@ with _RssAnonPeak() as probe:
 seconds = time.perf_counter() - start
 print(json.dumps({"rss_anon_rise_bytes": probe.peak - probe.before, "seconds": seconds,
                   **({"seconds_not_tokenizing": seconds - tokenizing[0]} if tokenizing else {}),
-                  **({"folder": info["folder"]} if "info" in globals() else {})}))
+                  **({"folder": info["folder"]} if info else {})}))
 """
 
 # Run in another child process: what a rank that only reads the rows pays to open them (the checkout's open_rows).

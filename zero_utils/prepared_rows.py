@@ -45,7 +45,7 @@ CHUNK_EXAMPLES = 100  # raw examples read and tokenized at a time
 MAX_NUM_PROC = 8  # --num_proc 0 takes this machine's CPUs, at most this many
 PARALLEL_MIN_EXAMPLES = 1000  # a split smaller than this is tokenized in the main process (workers cost seconds)
 WRITE_TOKENS = 1 << 20  # tokens of rows per record batch (buffered as int32, 12 bytes a token: ~12.6 MB); every
-# rank opening the rows holds ~3.4 KB per record batch of the file (pyarrow's table of batches), so fewer is better
+# rank opening the rows holds a few KB per record batch of the file (pyarrow's table of batches), so fewer is better
 ROW_COLUMNS = ("input_ids", "labels", "position_ids")
 def tokenizer_fingerprint(tokenizer) -> str:
     """A hash of everything the tokenizer turns text into ids with: its class, its full serialisation (a fast
@@ -174,19 +174,18 @@ def _prepare(tokenizer, dataset, seq_len, eval_fraction, seed, column_map, pad_t
     tmp.mkdir(parents=True)
     info = {"layout": layout, "chat_template": bool(tokenizer.chat_template), "depends_on": depends_on,
             "train_split": repr(train_split), "eval_split": eval_split}
-    info["tokenizing_processes"] = num_proc if len(train_raw) >= PARALLEL_MIN_EXAMPLES else 1
+    info["tokenizing_processes"] = _tokenizing_processes(train_raw, num_proc)
     try:
         for name, split_raw in (("train", train_raw), ("eval", eval_raw)):
             info[name] = _pack_split(split_raw, name, tokenizer, layout, column_map, seq_len, pad_token_id, tmp,
                                      num_proc) if split_raw is not None else \
                 {"examples": 0, "rows": 0, "truncated": 0, "split_documents": 0, "max_token_id": 0}
+        if info["train"]["rows"] == 0:
+            raise UserError(f"--dataset {source.name!r} yields no trainable tokens after formatting; "
+                            "check its columns and contents.")
     except BaseException:  # an error, or Ctrl-C: no half-written folder stays behind
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if info["train"]["rows"] == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise UserError(f"--dataset {source.name!r} yields no trainable tokens after formatting; "
-                        "check its columns and contents.")
     (tmp / "info.json").write_text(json.dumps(info, indent=1) + "\n")  # last: the folder is complete
     if not (folder / "info.json").is_file():
         shutil.rmtree(folder, ignore_errors=True)  # an incomplete one, left by a killed preparation
@@ -195,6 +194,12 @@ def _prepare(tokenizer, dataset, seq_len, eval_fraction, seed, column_map, pad_t
     except OSError:  # another job on this machine finished the same rows first: theirs are the same, keep them
         shutil.rmtree(tmp, ignore_errors=True)
     return {"folder": str(folder), "reused": False}
+
+
+def _tokenizing_processes(split_raw, num_proc: int) -> int:
+    """Processes that tokenize `split_raw`: num_proc, or 1 for a split under PARALLEL_MIN_EXAMPLES examples (too small
+    to pay for starting workers)."""
+    return num_proc if len(split_raw) >= PARALLEL_MIN_EXAMPLES else 1
 
 
 def _tokenize_chunk(chunk: dict, tokenizer, layout: str, column_map) -> list[tuple[list[int], list[int]]]:
@@ -232,7 +237,7 @@ def _token_stream(split_raw, tokenizer, layout, column_map, num_proc: int):
     chunks are in flight, so memory stays bounded whatever the split's size. A worker that dies (killed for
     memory) stops the preparation with a `UserError` rather than hanging the job."""
     chunks = split_raw.iter(batch_size=CHUNK_EXAMPLES)
-    if num_proc == 1 or len(split_raw) < PARALLEL_MIN_EXAMPLES:
+    if _tokenizing_processes(split_raw, num_proc) == 1:
         for chunk in chunks:
             yield from _tokenize_chunk(chunk, tokenizer, layout, column_map)
         return
