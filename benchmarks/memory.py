@@ -1,10 +1,12 @@
 """Model-state bytes per rank, measured vs the engine formulas, for every engine at several world sizes.
 
     python benchmarks/memory.py --output_dir runs/memory [--world_sizes 1 2 4] [--mixed_precision no]
+        [--gradient_accumulation_steps 2]
 
 Launches the recipe (2 optimizer steps, a 3.3M-parameter Llama built from a config) once per engine and world
 size with `accelerate launch`, reads each run's summary.json and writes to --output_dir:
-    memory.json    every measurement (bytes, max over ranks, right after the optimizer step)
+    memory.json    every measurement (bytes, max over ranks and over the moments the recipe measures: after each
+                   micro-batch's backward and after the optimizer step, in both steps)
     memory.md      the table (measured / expected / ratio to DDP)
     memory.png     bytes per rank vs world size: measured (points) and formula (lines) per engine
 CPU-only machines run it over gloo; the numbers are the same on GPUs (the same tensors are held).
@@ -41,12 +43,13 @@ def make_model(path: Path, **overrides) -> str:
     return str(path)
 
 
-def measure(engine: str, world: int, model: str, output_dir: Path, mixed_precision: str) -> dict:
+def measure(engine: str, world: int, model: str, output_dir: Path, mixed_precision: str, accumulation: int) -> dict:
     out = output_dir / "runs" / f"{engine}-{world}"
     cmd = accelerate_launch_command(
         REPO / "recipes/llama_zero3.py",
         ["--model", model, "--output_dir", out, "--overwrite", "--max_steps", "2", "--seq_len", "64",
-         "--per_device_batch_size", "2", "--eval_fraction", "0", "--max_new_tokens", "0", "--report_to", "none"],
+         "--per_device_batch_size", "2", "--gradient_accumulation_steps", str(accumulation), "--eval_fraction", "0",
+         "--max_new_tokens", "0", "--report_to", "none"],
         config_file=config_file(engine) if engine != "single" else None, num_processes=world,
         mixed_precision=mixed_precision)
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}
@@ -59,11 +62,11 @@ def measure(engine: str, world: int, model: str, output_dir: Path, mixed_precisi
             "breakdown_bytes": summary["model_state_breakdown_bytes"]}
 
 
-def write_table(rows: list[dict], path: Path, mixed_precision: str) -> None:
+def write_table(rows: list[dict], path: Path, mixed_precision: str, accumulation: int) -> None:
     ddp = {r["world_size"]: r["measured_bytes"] for r in rows if r["engine"] == "ddp"}
     precision = "fp32" if mixed_precision == "no" else mixed_precision
     lines = [f"Model-state bytes per rank (max over ranks), {rows[0]['num_params']:,} parameters, "
-             f"{precision}. MB = 1e6 bytes.", "",
+             f"{precision}, gradient accumulation {accumulation}. MB = 1e6 bytes.", "",
              "| engine | ranks | measured MB | expected MB | measured / expected | bytes/param | vs DDP |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -108,6 +111,8 @@ def main() -> int:
     parser.add_argument("--world_sizes", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--engines", nargs="+", default=ENGINES)
     parser.add_argument("--mixed_precision", default="no", choices=["no", "bf16"])
+    parser.add_argument("--gradient_accumulation_steps", type=int, default=2,
+                        help="micro-batches per step: at 2 the holdings between micro-batches are measured too")
     args = parser.parse_args()
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -116,12 +121,13 @@ def main() -> int:
         rows = []
         for world in args.world_sizes:
             for engine in args.engines:
-                rows.append(measure(engine, world, model, output_dir, args.mixed_precision))
+                rows.append(measure(engine, world, model, output_dir, args.mixed_precision,
+                                    args.gradient_accumulation_steps))
                 r = rows[-1]
                 print(f"{engine:>12} x{world}: measured {r['measured_bytes'] / 1e6:8.2f} MB, "
                       f"expected {r['expected_bytes'] / 1e6:8.2f} MB", flush=True)
     (output_dir / "memory.json").write_text(json.dumps(rows, indent=2) + "\n")
-    write_table(rows, output_dir / "memory.md", args.mixed_precision)
+    write_table(rows, output_dir / "memory.md", args.mixed_precision, args.gradient_accumulation_steps)
     write_chart(rows, output_dir / "memory.png", args.mixed_precision)
     print(f"wrote {output_dir / 'memory.md'} and {output_dir / 'memory.png'}")
     return 0

@@ -23,6 +23,10 @@ BENCH_COMPILE_BLOCKS=1  compiles every decoder block in place (`nn.Module.compil
 BENCH_ACCELERATE_FSDP2_PREP=1  skips zero_utils.wrapping.shard_model: accelerate's `prepare` then applies
                     `fully_shard` itself (TRANSFORMER_BASED_WRAP on the decoder-block class, then the root, all
                     with the YAML's reshard_after_forward), which is what users get without our wrapping choices.
+BENCH_ACCELERATE_ACCUMULATION=1  FSDP2 accumulates as accelerate does by default (`sync_each_batch=False`: gradient
+                    sync off until a step's last micro-batch, unsharded gradients on every rank until then), instead
+                    of zero_utils.accelerator's reduce-scatter every micro-batch: the before of docs/MEMORY.md's
+                    accumulation table (benchmarks/accumulation.py).
 """
 
 import json
@@ -132,6 +136,19 @@ def accelerate_fsdp2_prep() -> None:
     zero_utils.wrapping.shard_model = shard_model
 
 
+def accelerate_default_accumulation() -> None:
+    """zero_utils.accelerator builds accelerate's GradientAccumulationPlugin for FSDP2 with sync_each_batch=True;
+    this makes it False, accelerate's default."""
+    import accelerate.utils
+
+    plugin = accelerate.utils.GradientAccumulationPlugin
+
+    def default_sync(**kwargs):
+        return plugin(**{**kwargs, "sync_each_batch": False})
+
+    accelerate.utils.GradientAccumulationPlugin = default_sync
+
+
 def compile_blocks() -> None:
     """Compile each decoder block before the engine wraps it (FSDP2 sharding, or DeepSpeed's prepare)."""
     shard_model = zero_utils.wrapping.shard_model
@@ -157,6 +174,8 @@ if __name__ == "__main__":
         compile_blocks()
     if os.environ.get("BENCH_ACCELERATE_FSDP2_PREP") == "1":
         accelerate_fsdp2_prep()
+    if os.environ.get("BENCH_ACCELERATE_ACCUMULATION") == "1":
+        accelerate_default_accumulation()
     # The recipe runs through the test harness, which adds the per-rank evidence (sharding_per_rank, ...) to
     # summary.json from outside (tests/scripts/harness.py): benchmarks/run.py compares FSDP2 units from it.
     sys.path.insert(0, str(REPO / "tests" / "scripts"))

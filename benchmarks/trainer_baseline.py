@@ -9,8 +9,9 @@ On a machine without CUDA the Trainer's own Accelerator falls back to one proces
 engine the launch named) and the Trainer is told to reuse it (`accelerator_config={"use_configured_state":
 True}`); after training this script records how much of the model each rank holds, so a run that did not shard
 is caught.
-Writes D/trainer.json: median tokens_per_s (global, steps after --untimed_steps), peak_mem_bytes (max over ranks:
-process RSS high-water on CPU, allocator peak on GPU), local_param_fraction per rank, engine.
+Writes D/trainer.json: median tokens_per_s (global, steps after --untimed_steps), peak_mem_bytes (max over ranks,
+during training: process RSS high-water on CPU, allocator peak on GPU, reset when training begins),
+local_param_fraction per rank, engine.
 """
 
 import json
@@ -59,6 +60,9 @@ def token_mean_loss(outputs, labels, num_items_in_batch=None):
 class StepTimer(TrainerCallback):
     def __init__(self):
         self.step_times_s = []
+
+    def on_train_begin(self, *_args, **_kwargs):  # the peak of training, as the recipe's steps measure theirs
+        measurement.reset_peak_memory(accelerator.device)
 
     def on_step_begin(self, *_args, **_kwargs):
         self.start = time.perf_counter()

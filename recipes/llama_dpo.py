@@ -222,7 +222,7 @@ def main(cfg: Settings) -> None:
         scale = world * cfg.gradient_accumulation_steps / batches.pairs
         loss_sum, sums = torch.zeros((), device=accelerator.device), {}
         for micro in batches.micro_batches:
-            with accelerator.accumulate(model), meter.count_saved_activations():
+            with accelerator.accumulate(model), meter.micro_batch():
                 scores, chosen_nll = scores_of(micro)
                 micro_loss_sum = objective_sum(scores, chosen_nll, sft_weight=cfg.sft_weight,
                                                global_pairs=batches.pairs, global_chosen_tokens=batches.chosen_tokens)

@@ -203,7 +203,7 @@ def main(cfg: Settings) -> None:
         scale = world * cfg.gradient_accumulation_steps / batches.loss_tokens
         loss_sum = torch.zeros((), device=accelerator.device)
         for micro in batches.micro_batches:
-            with accelerator.accumulate(model), meter.count_saved_activations():  # the first forward is measured
+            with accelerator.accumulate(model), meter.micro_batch():  # saved activations; model states (steps 1-2)
                 micro_loss_sum = token_loss_sum(micro)
                 accelerator.backward(micro_loss_sum * scale)
                 loss_sum += micro_loss_sum.detach()

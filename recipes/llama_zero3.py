@@ -22,7 +22,9 @@ Features, the flag that controls each, and its cost:
                 tokenized by --num_proc forked processes (default the CPUs, at most 8; ~20 MB of RAM each)
     batch       --per_device_batch_size x --gradient_accumulation_steps x processes = global batch; the loss
                 is the mean over the global batch's answer tokens, so in fp32 the engine never changes the maths
-                (in bf16 each engine rounds its own way: docs/PRECISION.md)
+                (in bf16 each engine rounds its own way: docs/PRECISION.md); [FSDP2] every micro-batch's
+                gradients are reduce-scattered, so accumulating holds 1/N of them (one reduce-scatter per
+                micro-batch instead of per step: docs/MEMORY.md)
     optimizer   AdamW (--lr, --weight_decay), warmup (--warmup_steps) then --lr_schedule, --max_grad_norm
     loss        output head + cross-entropy over --loss_chunk_tokens tokens at a time (0 = whole logits): a
                 micro-batch's fp32 logits never exist whole; each chunk's recomputed in backward (+1/3 head FLOPs)
@@ -204,7 +206,7 @@ def main(cfg: Settings) -> None:
         scale = world * cfg.gradient_accumulation_steps / batches.loss_tokens
         loss_sum = torch.zeros((), device=accelerator.device)
         for micro in batches.micro_batches:
-            with accelerator.accumulate(model), meter.count_saved_activations():  # the first forward is measured
+            with accelerator.accumulate(model), meter.micro_batch():  # saved activations; model states (steps 1-2)
                 micro_loss_sum = token_loss_sum(micro)
                 accelerator.backward(micro_loss_sum * scale)
                 loss_sum += micro_loss_sum.detach()

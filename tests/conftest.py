@@ -110,20 +110,26 @@ EIGHT_STEPS = ("--max_steps", "8", "--save_every", "4", "--seq_len", "64", "--ma
                "--report_to", "none")
 
 
+def llama_from_config(path: Path, **sizes) -> str:
+    """A Llama model folder with the bundled tokenizer and a config of `sizes` (hidden_size, ...), no weights (the
+    recipes initialise them from the seed); written once per path, untied head, the tokenizer's vocabulary."""
+    from transformers import AutoTokenizer, LlamaConfig
+
+    if not path.exists():
+        tokenizer = AutoTokenizer.from_pretrained(REPO / "zero_utils/assets/tiny-llama")
+        LlamaConfig(vocab_size=len(tokenizer), **sizes, tie_word_embeddings=False,
+                    bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                    pad_token_id=tokenizer.pad_token_id).save_pretrained(path)
+        tokenizer.save_pretrained(path)
+    return str(path)
+
+
 @pytest.fixture(scope="session")
 def small_model(session_root) -> str:
     """A 3.3M-parameter Llama (hidden 256, 4 layers): big enough that engine buffers are noise."""
-    from transformers import AutoTokenizer, LlamaConfig
-
-    path = session_root / "small-llama"
-    if not path.exists():
-        tokenizer = AutoTokenizer.from_pretrained(REPO / "zero_utils/assets/tiny-llama")
-        LlamaConfig(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                    tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
-                    eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id).save_pretrained(path)
-        tokenizer.save_pretrained(path)
-    return str(path)
+    return llama_from_config(session_root / "small-llama", hidden_size=256, intermediate_size=688,
+                             num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=512)
 
 
 @pytest.fixture(scope="session")

@@ -42,16 +42,29 @@ def test_zero_paper_table_7_5b_on_64_gpus():
 
 
 def test_engine_rows_are_the_measured_bytes_per_param():
-    """Measured from live tensors right after the step at 4 ranks (docs/MEMORY.md), for an even split:
-    fp32 DDP 16, ZeRO-1/2 4 + 20/N, ZeRO-3 24/N, FSDP2 16/N; bf16 ZeRO-1/2 2 + 18/N, ZeRO-3 22/N
-    (its reduced gradient partition in fp32, as the recipe configures it)."""
+    """Measured from live tensors at 4 ranks (docs/MEMORY.md), for an even split. Right after the step (what a run
+    at accumulation 1 sees): fp32 DDP 16, ZeRO-1/2 4 + 20/N, ZeRO-3 24/N, FSDP2 16/N; bf16 ZeRO-1/2 2 + 18/N,
+    ZeRO-3 22/N (its reduced gradient partition in fp32, as the recipe configures it). Between micro-batches
+    (accumulation 2) ZeRO-1 holds whole gradients, before its reduction: fp32 4 + 4 + 12/N = 11, bf16
+    2 + 2 + 12/N = 7 (the paper's ZeRO-1); the other engines hold no more than after the step. The estimate (no
+    accumulation given) counts each engine's peak: ZeRO-1's whole gradients exist at accumulation 1 too, inside
+    DeepSpeed's step."""
     psi = 1_000_000
     engines = ("ddp", "zero1", "zero2", "zero3", "fsdp2")
-    fp32 = {engine: formulas.expected_model_state_bytes(Engine.parse(engine), psi, 4, "no") / psi for engine in engines}
-    assert fp32 == {"ddp": 16, "zero1": 9, "zero2": 9, "zero3": 6, "fsdp2": 4}
-    bf16 = {engine: formulas.expected_model_state_bytes(Engine.parse(engine), psi, 4, "bf16") / psi
-            for engine in engines}
-    assert bf16 == {"ddp": 16, "zero1": 6.5, "zero2": 6.5, "zero3": 5.5, "fsdp2": 4}
+    after_step = {"no": {"ddp": 16, "zero1": 9, "zero2": 9, "zero3": 6, "fsdp2": 4},
+                  "bf16": {"ddp": 16, "zero1": 6.5, "zero2": 6.5, "zero3": 5.5, "fsdp2": 4}}
+    between_micro_batches = {"no": {**after_step["no"], "zero1": 11}, "bf16": {**after_step["bf16"], "zero1": 7}}
+    def per_param(precision, **kwargs):
+        return {engine: formulas.expected_model_state_bytes(Engine.parse(engine), psi, 4, precision, **kwargs) / psi
+                for engine in engines}
+
+    for precision in ("no", "bf16"):
+        assert per_param(precision, gradient_accumulation_steps=1) == after_step[precision]
+        assert per_param(precision, gradient_accumulation_steps=2) == between_micro_batches[precision]
+        assert per_param(precision) == between_micro_batches[precision]
+    # at 2 ranks ZeRO-1's step holds as much or more (fp32 4 + 20/2 = 14 = 4 + 4 + 12/2; bf16 2 + 18/2 = 11 > 10)
+    assert formulas.expected_model_state_bytes(Engine.parse("zero1"), psi, 2, "no") == 14 * psi
+    assert formulas.expected_model_state_bytes(Engine.parse("zero1"), psi, 2, "bf16") == 11 * psi
 
 
 def test_uneven_sharding_is_added_exactly_from_the_layout():

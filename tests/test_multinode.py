@@ -16,13 +16,15 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 def launch_two_machines(output_dir, config: str, per_machine: int, small_model: str, extra_launch=(),
-                        batch: int = 4, accumulation: int = 1, recipe_args=(), own_caches: bool = False) -> Run:
+                        batch: int = 4, accumulation: int = 1, recipe_args=(), own_caches: bool = False,
+                        env_extra: dict | None = None) -> Run:
     """`own_caches`: each machine its own datasets cache (HF_DATASETS_CACHE=<output_dir>.cache-machine<rank>), as
-    nodes without a shared file system have."""
+    nodes without a shared file system have. `env_extra`: more environment for both machines (the harness's
+    probes)."""
     port = str(free_port())
     procs = []
     for machine_rank in (0, 1):
-        env = isolated_env(output_dir.parent)
+        env = {**isolated_env(output_dir.parent), **(env_extra or {})}
         if own_caches:
             env["HF_DATASETS_CACHE"] = f"{output_dir}.cache-machine{machine_rank}"
         cmd = accelerate_launch_command(
@@ -49,10 +51,15 @@ def test_two_machines_one_process_each_match_one_machine(session_root, run_layou
 
 def test_hsdp_shards_within_a_machine_and_replicates_across(session_root, run_layout, small_model):
     """HSDP on 2 machines x 2 processes: shard groups of 2, 2 replicas. Each rank holds half the model states
-    (not a quarter, as full sharding over 4 would), and training equals the 4-rank single-machine run."""
+    (not a quarter, as full sharding over 4 would), and training equals the 4-rank single-machine run.
+    With accumulation 2, after a step's first micro-batch every rank holds its shard group's partial sums (FSDP2's
+    `_partial_reduce_output` in every parameter group: reduce-scattered within the machine, the all-reduce across
+    machines skipped) and no whole gradient; after the last, every group's sharded gradients are set (all-reduced),
+    and no partial sum is left."""
     run = launch_two_machines(session_root / "two-machines-hsdp", "multinode_fsdp2_hsdp", 2, small_model,
                               extra_launch=("--parallelism_config_dp_replicate_size", "2",
-                                            "--parallelism_config_dp_shard_size", "2"), batch=1, accumulation=2)
+                                            "--parallelism_config_dp_shard_size", "2"), batch=1, accumulation=2,
+                              env_extra={"ZERO_RECIPES_HARNESS_ACCUMULATION_PROBE": "1"})
     summary = run.summary()
     assert summary["engine"] == "fsdp2_hsdp" and summary["world_size"] == 4
     for evidence in summary["sharding_per_rank"]:
@@ -60,6 +67,14 @@ def test_hsdp_shards_within_a_machine_and_replicates_across(session_root, run_la
     assert summary["model_state_bytes"] == pytest.approx(summary["model_state_bytes_expected"], rel=0.01)
     reference = run_layout("fsdp2", 4, 1, 2)  # the 4-rank layout of tests/test_zero_math.py
     assert [m["loss"] for m in run.metrics()] == pytest.approx([m["loss"] for m in reference.metrics()], rel=1e-4)
+    assert [m["grad_norm"] for m in run.metrics()] == pytest.approx([m["grad_norm"] for m in reference.metrics()],
+                                                                      rel=1e-4)
+    for records in summary["accumulation_probe_per_rank"]:  # (step, micro-batch) (1, 1), (1, 2), (2, 1), (2, 2)
+        first, last = records[2], records[3]  # step 2
+        assert (first["step"], first["micro_batch"], last["micro_batch"]) == (2, 1, 2)
+        assert first["partial_reduce_outputs"] == first["param_groups"] > 0 and first["unsharded_grads"] == 0
+        assert last["partial_reduce_outputs"] == 0 and last["groups_with_sharded_grads"] == last["param_groups"]
+        assert first["model_state_bytes"] == pytest.approx(16 * summary["num_params"] / 2, rel=0.01)
 
 
 def test_machines_without_a_shared_cache_each_prepare_the_same_rows(session_root, small_model):

@@ -79,6 +79,8 @@ def build_accelerator(*, per_device_batch_size: int, gradient_accumulation_steps
     Args:
         per_device_batch_size: micro-batch rows per process (DeepSpeed's `train_micro_batch_size_per_gpu`).
         gradient_accumulation_steps: micro-batches per optimizer step (also written into DeepSpeed's config).
+            [FSDP2] every micro-batch's gradients are reduce-scattered into the shards (accelerate's
+            `sync_each_batch`): between micro-batches a rank holds 1/N of the gradients, as at the update.
         max_grad_norm: clipping threshold (DeepSpeed clips inside its engine: written as `gradient_clipping`).
         log_with, project_dir: passed to `Accelerator` for trackers.
         timeout_s: collective timeout: a rank waiting this long for a dead peer raises instead of hanging.
@@ -88,7 +90,7 @@ def build_accelerator(*, per_device_batch_size: int, gradient_accumulation_steps
     process) says in one line which `--config_file` gives ZeRO-3.
     """
     from accelerate import Accelerator, DistributedType, PartialState
-    from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
+    from accelerate.utils import DistributedDataParallelKwargs, GradientAccumulationPlugin, InitProcessGroupKwargs
 
     launch = _launch_env()
     family = requested_engine_family()
@@ -122,8 +124,19 @@ def build_accelerator(*, per_device_batch_size: int, gradient_accumulation_steps
         # Gradients become views into DDP's reducer buckets instead of a second copy (-4 bytes/param).
         kwargs_handlers.append(DistributedDataParallelKwargs(gradient_as_bucket_view=True))
 
-    accelerator = Accelerator(gradient_accumulation_steps=gradient_accumulation_steps, log_with=log_with,
-                              project_dir=project_dir, kwargs_handlers=kwargs_handlers)
+    if family == "fsdp2":
+        # [FSDP2] Reduce-scatter the gradients of every micro-batch, so that between micro-batches a rank holds only
+        # its gradient shard. accelerate's default turns FSDP2's gradient sync off for every micro-batch but the last,
+        # and FSDP2 then keeps the whole model's *unsharded* gradients on every rank until it (torch
+        # `FSDPParam.unsharded_accumulated_grad`): 4 bytes/param on every rank, not 4/N. Cost: one reduce-scatter per
+        # micro-batch instead of one per step (docs/MEMORY.md). For FSDP2 only: accelerate applies `sync_each_batch`
+        # to every engine, and DDP would then all-reduce every micro-batch for no memory saved.
+        accumulation = {"gradient_accumulation_plugin": GradientAccumulationPlugin(
+            num_steps=gradient_accumulation_steps, sync_each_batch=True)}
+    else:
+        accumulation = {"gradient_accumulation_steps": gradient_accumulation_steps}
+    accelerator = Accelerator(**accumulation, log_with=log_with, project_dir=project_dir,
+                              kwargs_handlers=kwargs_handlers)
 
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         _configure_deepspeed(accelerator, per_device_batch_size, gradient_accumulation_steps, max_grad_norm)

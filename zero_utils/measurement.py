@@ -23,6 +23,10 @@ from zero_utils.memory_formulas import expected_model_state_bytes, numel
 from zero_utils.optim import param_groups
 from zero_utils.wrapping import reshard_after_inference
 
+# Model-state bytes are measured in the first steps only: Adam's state exists after the first update, so the second
+# step's micro-batches hold everything an engine ever holds; later steps hold the same.
+MEASURED_STEPS = 2
+
 
 @dataclass
 class StepResult:
@@ -37,7 +41,7 @@ class StepResult:
     grad_norm: float
     stop: bool
     skipped: bool
-    peaks: dict = field(default_factory=dict)  # max over ranks: peak_mem_bytes (+ peak_reserved_bytes on CUDA)
+    peaks: dict = field(default_factory=dict)  # max over ranks, this step's own: peak_mem_bytes (+ peak_reserved_bytes)
     model_state_bytes: int | None = None
     model_state_bytes_expected: int | None = None
     step_time_s: float | None = None  # from start_step to the optimizer's update (set once it has happened)
@@ -57,7 +61,8 @@ class RunMeasurements:
         meter = RunMeasurements(accelerator, engine, model, optimizer, tokens_per_step=...)   # after prepare
         for step in ...:
             meter.start_step()
-            with meter.count_saved_activations(): ...forward...     # the first forward only
+            for micro in ...:
+                with accelerator.accumulate(model), meter.micro_batch(): ...forward, backward...
             result = meter.end_step(step, lr=..., loss_sum=..., loss_tokens=..., grad_norm=...)
             if result.skipped: continue                             # a non-finite loss: no update
             ...optimizer step...
@@ -70,11 +75,22 @@ class RunMeasurements:
 
     The expected model-state bytes are the formula's (`memory_formulas.expected_model_state_bytes`) for this engine,
     world size, precision, the trainable parameters in the optimizer's groups (`optim.param_groups`, the split
-    `build_adamw` makes) and the frozen ones (LoRA's base). Memory peaks count from construction (CUDA), so they
-    show training, not loading. Model-state bytes are measured once, right after the innermost optimizer's first
-    step while gradients are still held: the same moment under every engine, even DeepSpeed, whose step runs inside
-    `accelerator.backward`. The step time runs from `start_step` to the innermost optimizer's update, or under
-    DeepSpeed (whose update runs inside backward) to the end of `end_step`'s host sync.
+    `build_adamw` makes) and the frozen ones (LoRA's base).
+
+    Model-state bytes are measured where they peak, in the first `MEASURED_STEPS` steps (Adam's state exists only
+    after the first update, so the second step's accumulation window holds the most): after each micro-batch's
+    backward (`micro_batch`), before the update (gradients of the micro-batches so far, FSDP2's accumulated ones
+    included), and right after the innermost optimizer's step while gradients are still held (a hook on it: the same
+    moment under every engine, even DeepSpeed, whose step runs inside `accelerator.backward`). The largest total over
+    those moments, max over ranks, is `model_state_bytes`; it stays fixed after the second step.
+
+    Memory peaks are each step's own: reset at `start_step` (CUDA: the allocator's peak; CPU: the RSS high-water mark,
+    reset through /proc/self/clear_refs) and read at `end_step`, so a step's line covers its forward and backward
+    passes and the update before it (under DDP and FSDP2 the update follows `end_step`'s collective; under DeepSpeed
+    it runs inside backward, in its own step). Eval and checkpoint saves between steps are in no step's peak;
+    `summary()` keeps the run's maximum, the last update included. The step time runs from `start_step` to the
+    innermost optimizer's update, or under DeepSpeed (whose update runs inside backward) to the end of `end_step`'s
+    host sync.
     """
 
     def __init__(self, accelerator, engine: Engine, model, optimizer, *, tokens_per_step: int,
@@ -90,15 +106,18 @@ class RunMeasurements:
         self.expected_model_state_bytes = expected_model_state_bytes(
             engine, sum(map(numel, (s for group in shapes for s in group))), accelerator.num_processes,
             accelerator.mixed_precision, param_groups=shapes, shard_group_size=shard_group_size(accelerator),
-            frozen_params=frozen)  # a frozen base (LoRA) is held as parameters only
+            frozen_params=frozen,  # a frozen base (LoRA) is held as parameters only
+            # [ZeRO-1] its whole gradients are seen between micro-batches only (at accumulation 1 inside its step)
+            gradient_accumulation_steps=accelerator.gradient_accumulation_steps)
         self.bad_steps = 0
-        self._local_model_states: dict[str, int] = {}
+        self._steps_started, self._updated_this_step = 0, False
+        self._local_model_states: dict[str, int] = {}  # this rank's largest measurement so far
         self._model_states: dict[str, int] = {}  # max over ranks, once measured
         self._saved_activations: dict[str, int] = {}
         self._step_times: list[float] = []
-        self._peaks: dict[str, int] = {}  # max over ranks, from the last step's reduction
-        self._local_peaks: dict[str, int] = {}  # this rank's, as sent to that reduction
         self._peak_keys = tuple(peak_memory(self.device))  # which peaks this device reports
+        self._local_run_peaks: dict[str, int] = {}  # this rank's, over the steps so far
+        self._update_peaks: dict[str, int] = {}  # this rank's peak in an update that followed end_step
         self._t0 = time.perf_counter()
         self._current: StepResult | None = None  # this step's result once end_step made it
         # Under DeepSpeed the innermost optimizer steps inside `accelerator.backward`: a hook on it is the one moment
@@ -107,11 +126,25 @@ class RunMeasurements:
         reset_peak_memory(self.device)
 
     def start_step(self) -> None:
-        self._t0, self._current = time.perf_counter(), None
+        """Start an optimizer step: its timer and its own memory peaks."""
+        self._steps_started += 1
+        self._t0, self._current, self._updated_this_step = time.perf_counter(), None, False
+        reset_peak_memory(self.device)
 
-    def count_saved_activations(self):
-        """Context manager around a forward pass: bytes autograd saves for backward, counted the first time."""
-        return count_saved_activations(self._saved_activations)
+    @contextlib.contextmanager
+    def micro_batch(self):
+        """Context manager around one micro-batch's forward and backward: counts the bytes autograd saves for
+        backward (the first forward), and in the first `MEASURED_STEPS` steps measures the model states this rank
+        holds after the backward, unless the update already ran in it (DeepSpeed's last micro-batch)."""
+        with count_saved_activations(self._saved_activations):
+            yield
+        if self._steps_started <= MEASURED_STEPS and not self._updated_this_step:
+            self._measure_model_states()
+
+    def _measure_model_states(self) -> None:
+        measured = measure_model_state_bytes(self.model, self.optimizer)
+        if measured["total"] > self._local_model_states.get("total", -1):
+            self._local_model_states = measured
 
     def end_step(self, step: int, *, lr: float, loss_sum: torch.Tensor, loss_tokens: int, grad_norm,
                  extra_sums: dict[str, torch.Tensor] | None = None) -> StepResult:
@@ -120,12 +153,15 @@ class RunMeasurements:
         `extra_sums`, e.g. a preference loss's rewards) and one host sync. `loss_tokens` is what the loss is a mean
         over (answer tokens; pairs for a preference loss); each extra sum is divided by it too (`StepResult.means`).
         Returns the step's `StepResult`; raises the non-finite-loss stop past `max_bad_steps`."""
-        self._local_peaks = peak_memory(self.device)
+        local_peaks = peak_memory(self.device)  # this step's, with the update before it (see the class docstring)
+        local_peaks = {k: max(v, self._update_peaks.get(k, 0)) for k, v in local_peaks.items()}
+        self._update_peaks = {}
+        self._local_run_peaks = {k: max(v, self._local_run_peaks.get(k, 0)) for k, v in local_peaks.items()}
         extra_sums = extra_sums or {}
         values = distributed.reduce_step_values(
             self.accelerator, sums={"loss_sum": loss_sum, **extra_sums},
             maxes={"grad_norm": distributed.local_scalar(grad_norm), "stop": 1.0 if stop_signals.received() else 0.0,
-                   **self._local_peaks})
+                   **local_peaks})
         loss = values["loss_sum"] / loss_tokens
         result = StepResult(step, loss, lr, values["grad_norm"], stop=values["stop"] > 0,
                             skipped=not math.isfinite(loss), means={k: values[k] / loss_tokens for k in extra_sums})
@@ -138,8 +174,7 @@ class RunMeasurements:
                                              newest_checkpoint=self.newest_checkpoint())
             self.accelerator.print(f"warning: non-finite loss at step {step}, update skipped ({self.bad_steps} so far)")
             return result
-        self._peaks = {k: int(values[k]) for k in self._peak_keys}
-        result.peaks = dict(self._peaks)
+        result.peaks = {k: int(values[k]) for k in self._peak_keys}
         result.model_state_bytes = self._model_states.get("total")
         result.model_state_bytes_expected = self.expected_model_state_bytes
         self._current = result
@@ -149,11 +184,14 @@ class RunMeasurements:
 
     def _on_update(self, *_) -> None:
         updated_at = time.perf_counter()
-        if not self._local_model_states:  # the first update: measure the model states once (not timed)
-            self._local_model_states.update(measure_model_state_bytes(self.model, self.optimizer))
-            # every rank steps its optimizer at this point, so the maximum over ranks can be taken here (once)
+        self._updated_this_step = True
+        if self._current is not None:  # DDP, FSDP2: the update follows end_step; its peak goes to the next one
+            self._update_peaks = peak_memory(self.device)
+        if self._steps_started <= MEASURED_STEPS:  # the model states where they peak (not timed)
+            self._measure_model_states()
+            # every rank steps its optimizer at this point, so the maximum over ranks can be taken here
             self._model_states = distributed.max_over_ranks(self.accelerator, self._local_model_states)
-            if self._current is not None:  # DDP, FSDP2: the update follows end_step
+            if self._current is not None:  # DDP, FSDP2, as above
                 self._current.model_state_bytes = self._model_states["total"]
         if self._current is not None and self._current.step_time_s is None:  # DDP, FSDP2, as above
             self._time(self._current, updated_at)
@@ -190,21 +228,24 @@ class RunMeasurements:
         return {name: mean for name, mean in zip(names, means, strict=True) if name != "count"}
 
     def summary(self) -> dict:
-        """Medians of step time and tokens/s, the last peaks (max over ranks), model-state bytes measured (max over
-        ranks) and expected (with the params/grads/optimizer breakdown), saved-activation bytes, what the peaks
-        measured, in words, and each rank's own peaks and model-state bytes: `peak_mem_bytes_per_rank`
-        (`peak_reserved_bytes_per_rank` on CUDA) and `model_state_bytes_per_rank`, lists indexed by rank, so that
-        an uneven rank shows (`rank_spread`). A collective: every rank must call it, once, after the loop."""
-        local = {f"{k}_per_rank": v for k, v in self._local_peaks.items()}
+        """Medians of step time and tokens/s, the run's peaks (max over ranks and steps, the last update included),
+        model-state bytes measured (max over ranks and the measured moments) and expected (with the
+        params/grads/optimizer breakdown), saved-activation bytes, what the peaks measured, in words, and each
+        rank's own peaks and model-state bytes: `peak_mem_bytes_per_rank` (`peak_reserved_bytes_per_rank` on CUDA)
+        and `model_state_bytes_per_rank`, lists indexed by rank, so that an uneven rank shows (`rank_spread`). A
+        collective: every rank must call it, once, after the loop."""
+        local_peaks = {k: max(v, self._update_peaks.get(k, 0)) for k, v in self._local_run_peaks.items()}
+        local = {f"{k}_per_rank": v for k, v in local_peaks.items()}
         if self._local_model_states:
             local["model_state_bytes_per_rank"] = self._local_model_states["total"]
         every_rank = distributed.per_rank(self.accelerator, local) if local else {}
+        peaks = {k: max(every_rank[f"{k}_per_rank"]) for k in local_peaks}
         return {
             "tokens_per_s": statistics.median(self.tokens_per_step / t for t in self._step_times)
             if self._step_times else None,
             "step_time_s": statistics.median(self._step_times) if self._step_times else None,
-            "peak_mem_bytes": self._peaks.get("peak_mem_bytes"),
-            "peak_reserved_bytes": self._peaks.get("peak_reserved_bytes"),
+            "peak_mem_bytes": peaks.get("peak_mem_bytes"),
+            "peak_reserved_bytes": peaks.get("peak_reserved_bytes"),
             "peak_mem_measured": peak_memory_measured(self.device),
             "model_state_bytes": self._model_states.get("total"),
             "saved_activation_bytes": self._saved_activations.get("saved"),
@@ -237,7 +278,8 @@ def measure_model_state_bytes(model: torch.nn.Module, optimizer) -> dict:
 
     Counts each storage once (views into DeepSpeed's flat buffers or DDP's gradient buckets are not counted
     twice). Covers DTensor local shards (FSDP2), DeepSpeed partitions and fp32 master copies, and the optimizer's
-    state tensors. Returns {'params', 'grads', 'optimizer', 'total'} in bytes. Communication buckets (DDP's
+    state tensors, and [FSDP2] the gradients it holds outside `.grad` between micro-batches
+    (`fsdp2_held_gradients`). Returns {'params', 'grads', 'optimizer', 'total'} in bytes. Communication buckets (DDP's
     reducer, DeepSpeed's reduce and prefetch buckets) are not model states and are not counted; they show in the
     peak memory (`peak_memory`). DDP's live in C++; with `gradient_as_bucket_view=True` (zero_utils.accelerator) they
     are the gradients themselves. Engines: all.
@@ -258,6 +300,8 @@ def measure_model_state_bytes(model: torch.nn.Module, optimizer) -> dict:
     for p in module.parameters():
         add("params", p.ds_tensor if hasattr(p, "ds_tensor") else p)
         add("grads", p.grad)
+    for grad in fsdp2_held_gradients(module):
+        add("grads", grad)
     zero_opt = getattr(getattr(optimizer, "optimizer", optimizer), "optimizer", None)
     inner = getattr(optimizer, "optimizer", optimizer)
     deepspeed_opt = inner if hasattr(inner, "loss_scaler") or hasattr(inner, "partition_count") else None
@@ -282,19 +326,64 @@ def measure_model_state_bytes(model: torch.nn.Module, optimizer) -> dict:
     return counts
 
 
+def fsdp2_held_gradients(module: torch.nn.Module) -> list[torch.Tensor]:
+    """[FSDP2] The gradients FSDP2 holds outside the sharded parameters' `.grad` between the micro-batches of a
+    step: each parameter's whole, unsharded gradient, kept on every rank while gradient sync is off
+    (`set_requires_gradient_sync(False)`: the unsharded parameter's `.grad` when it is already in the reduce dtype,
+    as in fp32, else its `unsharded_accumulated_grad` upcast to it), and each group's `_partial_reduce_output` (HSDP:
+    the reduce-scattered shard summed over micro-batches while the all-reduce across replicas waits,
+    `set_requires_all_reduce(False)`). Private torch 2.13 attributes, read only. Empty for other engines, and
+    between steps."""
+    from torch.distributed.fsdp import FSDPModule
+
+    held, groups = [], {}
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):  # modules sharded together ([norm, head]) share one state and its groups
+            groups.update((id(group), group) for group in sub._get_fsdp_state()._fsdp_param_groups)
+    for group in groups.values():
+        held.append(group._partial_reduce_output)
+        for fsdp_param in group.fsdp_params:
+            held.append(fsdp_param.unsharded_accumulated_grad)
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)  # exists once first gathered
+            held.append(unsharded.grad if unsharded is not None else None)
+    return [t for t in held if t is not None]
+
+
+_PROC_STATUS, _PROC_CLEAR_REFS = "/proc/self/status", "/proc/self/clear_refs"
+_cpu_peak_resets: list[bool] = []  # [whether writing to clear_refs worked], once tried
+
+
 def peak_memory_bytes(device: torch.device) -> int:
-    """Peak memory of this process: the CUDA caching allocator's allocated peak on GPU (since the last
-    `reset_peak_memory`), the RSS high-water mark on CPU (since the process started)."""
+    """Peak memory of this process since the last `reset_peak_memory`: the CUDA caching allocator's allocated peak
+    on GPU; on CPU the RSS high-water mark (`VmHWM` of /proc/self/status; `ru_maxrss` where there is no /proc, which
+    counts from the process's start). Bytes."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+    try:
+        with open(_PROC_STATUS) as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 
-def reset_peak_memory(device: torch.device) -> None:
-    """Start the peaks of `peak_memory` afresh, e.g. once set-up (loading, sharding, prepare) is done, so they show
-    training alone. CUDA only: the CPU figure is the process's RSS high-water mark, which is not reset."""
+def reset_peak_memory(device: torch.device) -> bool:
+    """Start the peaks of `peak_memory` afresh (at every training step, so each step's line shows its own). CUDA:
+    `reset_peak_memory_stats`. CPU: writes `5` to /proc/self/clear_refs, which sets the RSS high-water mark to the
+    current RSS (Linux >= 4.0; `ru_maxrss` cannot be reset). Returns whether the peak was reset: False on a CPU host
+    whose kernel refuses the write, where the CPU peak keeps counting from the process's start."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+        return True
+    if _cpu_peak_resets == [False]:
+        return False
+    try:
+        with open(_PROC_CLEAR_REFS, "w") as f:
+            f.write("5")
+        ok = True
+    except OSError:
+        ok = False
+    _cpu_peak_resets[:] = [ok]
+    return ok
 
 
 def peak_memory(device: torch.device) -> dict[str, int]:
@@ -310,9 +399,11 @@ def peak_memory(device: torch.device) -> dict[str, int]:
 def peak_memory_measured(device: torch.device) -> str:
     """What `peak_memory` measured on `device`, in words, for summary.json."""
     if device.type == "cuda":
-        return ("CUDA caching allocator per rank since training began (after set-up): peak_mem_bytes = "
+        return ("CUDA caching allocator per rank during training, each step's reset: peak_mem_bytes = "
                 "max_memory_allocated, peak_reserved_bytes = max_memory_reserved (nvidia-smi adds the CUDA context)")
-    return "process RSS high-water mark per rank (CPU: includes set-up and host libraries)"
+    if _cpu_peak_resets == [False]:
+        return "process RSS high-water mark per rank since the process started (this kernel refused a reset)"
+    return "process RSS high-water mark per rank during training, each step's reset (/proc/self/clear_refs)"
 
 
 @contextlib.contextmanager

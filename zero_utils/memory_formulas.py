@@ -12,6 +12,8 @@ mixed-precision Adam has K = 12):
     zero1/zero2  2 Psi + 18 Psi / N (grads: an   4 Psi + 16 Psi / N (fp32 params; fp32 master 4, Adam 8 and an
                  fp32 partition + the 16-bit     fp32 gradient partition 4, all partitioned)
                  grads of ~1/N whole params)
+    zero1, before its reduction (the last micro-batch's backward): whole gradients, 4 Psi + 12 Psi / N in mixed
+                 precision (the paper's), 8 Psi + 12 Psi / N in fp32; counted where it is more (N > 3, N > 2)
     zero3        22 Psi / N (params 2, grads     24 Psi / N (params 4, master 4, Adam 8, grads 4 + 4, partitioned)
                  4 + 4, master 4, Adam 8)
     fsdp2        16 Psi / N                      16 Psi / N (no master copy: the fp32 shard is the master)
@@ -98,6 +100,19 @@ _BYTES_PER_PARAM = {
 }
 
 
+# ZeRO-1 reduces gradients only at a step's last micro-batch (DeepSpeed stage 1 does not partition them during
+# backward): until that reduction every rank holds the whole gradients of every parameter next to its partitioned
+# master and moments, more than the row above for N > 2 (fp32) or N > 3 (mixed precision). MEASURED between
+# micro-batches (accumulation 2, 4 ranks: 11.00 bytes/param in fp32 = 4 + 4 + 12 / 4). The same whole gradients
+# exist at accumulation 1 too, for the moment between the backward pass and the reduction inside DeepSpeed's step.
+# Under the other engines nothing held between micro-batches exceeds the row above (FSDP2: the recipe reduce-
+# scatters every micro-batch, zero_utils.accelerator); the paper's ZeRO-1 row already counts whole gradients.
+_ZERO1_BEFORE_REDUCTION = {
+    "fp32": {"params": (4, 0), "grads": (4, 0), "master": (0, 4), "moments": (0, 8)},
+    "mixed": {"params": (2, 0), "grads": (2, 0), "master": (0, 4), "moments": (0, 8)},
+}
+
+
 def _table_row(engine: Engine) -> str:
     """The formula row an engine uses: FSDP2's variants store what fsdp2 stores; single process is DDP's row."""
     if engine.is_data_parallel_only:
@@ -155,7 +170,7 @@ class ModelStateBytes:
 def model_state_bytes(engine: Engine, num_params: int, world_size: int, mixed_precision: str | None = "no", *,
                       optimizer: str = "adamw", frozen_params: int = 0, shard_group_size: int | None = None,
                       offload_optimizer: bool | None = None, offload_params: bool | None = None,
-                      formula: str = "engine") -> ModelStateBytes:
+                      formula: str = "engine", gradient_accumulation_steps: int | None = None) -> ModelStateBytes:
     """Bytes one rank holds in params, grads and optimizer state for `engine` (any engine, offloaded or
     not), `num_params` trainable parameters and `world_size` ranks.
 
@@ -167,6 +182,11 @@ def model_state_bytes(engine: Engine, num_params: int, world_size: int, mixed_pr
     name says (`zero3_offload`: optimizer and params; `zeroK_offload`: optimizer; `fsdp2*_offload`: all); the
     offloaded sharded parts are counted in `cpu`, not `gpu`. `formula`: 'engine' (what DeepSpeed 0.19.8 / torch
     2.13 really hold, measured) or 'paper' (the ZeRO paper's 2 + 2 + 12 bytes, for mixed precision).
+
+    The result is the most the rank holds during a step: right after the optimizer step, or [ZeRO-1] before its
+    gradient reduction, with whole gradients on every rank, where that is more. `gradient_accumulation_steps`: None
+    (the estimate: that peak) or what a run measures from outside the engine (`measurement.RunMeasurements`): at 1,
+    ZeRO-1's reduction follows the backward inside DeepSpeed's step, unseen, so only the after-step bytes count.
     """
     if optimizer not in OPTIMIZERS:
         raise UserError(f"unknown optimizer {optimizer!r}; use one of: {', '.join(OPTIMIZERS)}.")
@@ -177,6 +197,8 @@ def model_state_bytes(engine: Engine, num_params: int, world_size: int, mixed_pr
         raise UserError(f"unknown formula {formula!r}; use 'engine' or 'paper'.")
     precision = _precision(mixed_precision)
     row = _BYTES_PER_PARAM["paper" if formula == "paper" else precision][_table_row(engine)]
+    if formula == "engine" and _holds_whole_gradients(engine, group, precision, gradient_accumulation_steps):
+        row = _ZERO1_BEFORE_REDUCTION[precision]
     on_cpu = _offloaded_kinds(engine, offload_optimizer, offload_params)
     moments = row["moments"] if optimizer == "adamw" else (0, 0)
     gpu, cpu = dict.fromkeys(_KINDS, 0), dict.fromkeys(_KINDS, 0)
@@ -191,6 +213,17 @@ def model_state_bytes(engine: Engine, num_params: int, world_size: int, mixed_pr
     add("optimizer", num_params, (row["master"][0] + moments[0], row["master"][1] + moments[1]))
     add("params", frozen_params, row["params"])
     return ModelStateBytes(gpu, cpu)
+
+
+def _holds_whole_gradients(engine: Engine, world_size: int, precision: str,
+                           gradient_accumulation_steps: int | None) -> bool:
+    """Whether ZeRO-1's moment before its reduction is the engine's peak and is counted (`model_state_bytes`)."""
+    if _table_row(engine) != "zero1" or gradient_accumulation_steps == 1:
+        return False
+    bytes_of = {name: sum(r + s / world_size for r, s in table.values())
+                for name, table in (("after", _BYTES_PER_PARAM[precision]["zero1"]),
+                                    ("before", _ZERO1_BEFORE_REDUCTION[precision]))}
+    return bytes_of["before"] > bytes_of["after"]
 
 
 def reference_model_bytes(engine: Engine, num_params: int, world_size: int, mixed_precision: str | None = "no", *,
@@ -217,8 +250,9 @@ def expected_model_state_bytes(engine: Engine, num_params: int, world_size: int,
     """
     ideal = model_state_bytes(engine, num_params, world_size, mixed_precision, **kwargs).total_bytes
     group = kwargs.get("shard_group_size") or world_size
-    if param_groups is None or group == 1:
-        return ideal
+    if param_groups is None or group == 1 or _holds_whole_gradients(
+            engine, group, _precision(mixed_precision), kwargs.get("gradient_accumulation_steps")):
+        return ideal  # [ZeRO-1 before its reduction] whole gradients: no partition border to add
     return ideal + sharding_remainder_bytes(engine, param_groups, group, mixed_precision)
 
 

@@ -10,7 +10,8 @@ Every engine-specific step of a recipe is here, so the recipe itself is the same
 - [FSDP2] `fully_shard` block by block, then the root (`zero_utils.wrapping.shard_model`), before the optimizer sees
   the parameters; a warning when a --fsdp_* wrapping choice was given to another engine, which ignores it;
 - [DeepSpeed] communication bucket sizes from the model's hidden size (`zero_utils.deepspeed_setup`);
-- after prepare, [DeepSpeed, 16-bit] the fp32 master weights set from the checkpoint's own fp32 weights.
+- after prepare, [DeepSpeed, 16-bit] the fp32 master weights set from the checkpoint's own fp32 weights; [HSDP] the
+  all-reduce across replicas on a step's last micro-batch only.
 Engines: all.
 """
 
@@ -53,7 +54,11 @@ def after_prepare(model, accelerator, engine: Engine, model_name: str, revision:
     """What must follow `accelerator.prepare`: [DeepSpeed, bf16/fp16] set the fp32 master weights from the
     checkpoint's own fp32 weights (`deepspeed_setup.restore_fp32_master_weights`; DeepSpeed builds them from the 16-bit
     cast; renamed and fused parameters through transformers' conversion), and name in one warning any trainable
-    parameter still not found. Nothing to do under the other engines or in fp32. Every rank must call it."""
+    parameter still not found; [FSDP2 HSDP] all-reduce gradients across replicas on a step's last micro-batch only
+    (`wrapping.all_reduce_replicas_on_last_micro_batch`). Nothing to do under the other engines. Every rank must call
+    it."""
+    if engine.hsdp:  # [HSDP] reduce-scatter in the shard group every micro-batch, all-reduce across replicas once
+        wrapping.all_reduce_replicas_on_last_micro_batch(model, accelerator)
     if engine.is_deepspeed and accelerator.mixed_precision != "no":
         _, unmatched = deepspeed_setup.restore_fp32_master_weights(model, model_name, revision)
         if unmatched:  # said, never skipped silently

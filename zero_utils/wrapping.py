@@ -230,6 +230,20 @@ def _final_norm(model: nn.Module, blocks: list[nn.Module]) -> nn.Module | None:
     return norms[-1] if norms else None
 
 
+def all_reduce_replicas_on_last_micro_batch(model: nn.Module, accelerator) -> None:
+    """[FSDP2 HSDP] Before each forward of the prepared `model`, tell FSDP2 whether this micro-batch's backward
+    all-reduces gradients across replicas: only on a step's last micro-batch (`accelerator.sync_gradients`, set by
+    `accelerator.accumulate`). The others reduce-scatter within the shard group and FSDP2 sums the shards
+    (`set_requires_all_reduce(False)`: its `_partial_reduce_output`, 1/shard-group of the gradients), so a step makes
+    one all-reduce across nodes instead of one per micro-batch, for the same gradients. A no-op for models that are
+    not FSDP2 modules. Every rank must call it, once, after `accelerator.prepare`."""
+    from torch.distributed.fsdp import FSDPModule
+
+    root = next((module for module in model.modules() if isinstance(module, FSDPModule)), None)
+    if root is not None:
+        root.register_forward_pre_hook(lambda module, _args: module.set_requires_all_reduce(accelerator.sync_gradients))
+
+
 def reshard_after_inference(model: nn.Module) -> None:
     """Free the full parameters FSDP2 still holds after a forward that had no backward (eval, generation), and forget
     that forward's order.

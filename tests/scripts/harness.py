@@ -24,6 +24,8 @@ Switched on by the environment:
                                          (--num_proc's workers: anonymous, unshared), sampled every 2 ms from /proc
     ZERO_RECIPES_HARNESS_LOSS_PROBE=1    + "loss_probe_per_rank": the largest logits-shaped tensor step 1 created,
                                          in tokens, and the output head group's FSDP2 all-gathers (loss_probe.py)
+    ZERO_RECIPES_HARNESS_ACCUMULATION_PROBE=1  + "accumulation_probe_per_rank": what each rank holds after every
+                                         micro-batch of the first two steps (accumulation_probe.py)
     ZERO_RECIPES_HARNESS_REFERENCE_PROBE=1  + "reference_probe_per_rank" (recipes/llama_dpo.py): the most reference
                                          parameters held gathered (not DTensor shards) at any module's forward,
                                          and the reference's parameter count
@@ -31,6 +33,7 @@ Switched on by the environment:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import runpy
 import sys
@@ -39,6 +42,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import accumulation_probe  # noqa: E402  (tests/scripts: switched on by ZERO_RECIPES_HARNESS_ACCUMULATION_PROBE)
 import loss_probe  # noqa: E402  (tests/scripts: switched on by ZERO_RECIPES_HARNESS_LOSS_PROBE)
 
 _seen: dict = {}  # what the recipe built, captured on its way through zero_utils and accelerate
@@ -173,6 +177,15 @@ def _attach_probes() -> None:
             super().start_step()
             if os.environ.get("ZERO_RECIPES_HARNESS_LOSS_PROBE") == "1":
                 loss_probe.start(self.model, self.accelerator)
+            if os.environ.get("ZERO_RECIPES_HARNESS_ACCUMULATION_PROBE") == "1":
+                accumulation_probe.start_step()
+
+        @contextlib.contextmanager
+        def micro_batch(self):
+            with super().micro_batch():
+                yield
+            if os.environ.get("ZERO_RECIPES_HARNESS_ACCUMULATION_PROBE") == "1":
+                accumulation_probe.after_micro_batch(self.model, self.optimizer)
 
         def end_step(self, *args, **kwargs):
             if os.environ.get("ZERO_RECIPES_HARNESS_LOSS_PROBE") == "1":
@@ -251,6 +264,8 @@ def _evidence() -> dict:
         "data_prep_rss_anon_bytes_per_rank": gather_object([_seen.get("data_prep_rss_anon")]),
         "loss_probe_per_rank": gather_object([loss_probe.result()])
         if os.environ.get("ZERO_RECIPES_HARNESS_LOSS_PROBE") == "1" else None,
+        "accumulation_probe_per_rank": gather_object([accumulation_probe.result()])
+        if os.environ.get("ZERO_RECIPES_HARNESS_ACCUMULATION_PROBE") == "1" else None,
         "weights_digest_per_rank": gather_object([evidence.weights_digest(model)])
         if os.environ.get("ZERO_RECIPES_HARNESS_VERIFY_REPLICAS") == "1" else None,
     }
