@@ -212,9 +212,10 @@ def write_report(output_dir: Path, runs: list[dict], command: str, group: str | 
              + (", **but the runs differ in global batch: compare with care**." if len(batches) > 1 else "."),
              f"Software: {', '.join(f'{k} {v}' for k, v in (first.get('versions') or {}).items())}.", "",
              "MB = 1e6 bytes, per rank (the maximum over ranks). Model states = params + grads + optimizer state, "
-             "measured right after the first optimizer step; expected = zero_utils.memory's formula. Peak memory is "
-             "the accelerator allocator's peak on GPU, the process RSS high-water mark on CPU (which also holds the "
-             "Python runtime and libraries, several hundred MB the estimate leaves out); estimated = the recipe's fit "
+             "the most measured after any micro-batch's backward or optimizer update of the first two steps; expected "
+             "= zero_utils.memory's formula. Peak memory is the largest training step's own peak: the accelerator "
+             "allocator's on GPU, the process RSS high-water mark on CPU (which also holds the Python runtime and "
+             "libraries, several hundred MB the estimate leaves out); estimated = the recipe's fit "
              "check before the run (zero_utils.fit_check). tokens/s is global and "
              "step time per optimizer step, both medians over steps. "
              + (f"(0.50x) = the value over the `{baseline}` row's value." if baseline else no_baseline),

@@ -21,7 +21,7 @@ from zero_utils import distributed, errors, stop_signals
 from zero_utils.engine import Engine, shard_group_size
 from zero_utils.memory_formulas import expected_model_state_bytes, numel
 from zero_utils.optim import param_groups
-from zero_utils.wrapping import reshard_after_inference
+from zero_utils.wrapping import fsdp2_held_gradients, reshard_after_inference
 
 # Model-state bytes are measured in the first steps only: Adam's state exists after the first update, so the second
 # step's micro-batches hold everything an engine ever holds; later steps hold the same.
@@ -277,12 +277,12 @@ def measure_model_state_bytes(model: torch.nn.Module, optimizer) -> dict:
     """Bytes this rank holds in parameters, gradients and optimizer state, walked from the live tensors.
 
     Counts each storage once (views into DeepSpeed's flat buffers or DDP's gradient buckets are not counted
-    twice). Covers DTensor local shards (FSDP2), DeepSpeed partitions and fp32 master copies, and the optimizer's
+    twice). Covers DTensor local shards (FSDP2), DeepSpeed partitions and fp32 master copies, the optimizer's
     state tensors, and [FSDP2] the gradients it holds outside `.grad` between micro-batches
-    (`fsdp2_held_gradients`). Returns {'params', 'grads', 'optimizer', 'total'} in bytes. Communication buckets (DDP's
-    reducer, DeepSpeed's reduce and prefetch buckets) are not model states and are not counted; they show in the
-    peak memory (`peak_memory`). DDP's live in C++; with `gradient_as_bucket_view=True` (zero_utils.accelerator) they
-    are the gradients themselves. Engines: all.
+    (`wrapping.fsdp2_held_gradients`). Returns {'params', 'grads', 'optimizer', 'total'} in bytes. Communication
+    buckets (DDP's reducer, DeepSpeed's reduce and prefetch buckets) are not model states and are not counted; they
+    show in the peak memory (`peak_memory`). DDP's live in C++; with `gradient_as_bucket_view=True`
+    (zero_utils.accelerator) they are the gradients themselves. Engines: all.
     """
     seen: set[int] = set()
     counts = {"params": 0, "grads": 0, "optimizer": 0}
@@ -324,29 +324,6 @@ def measure_model_state_bytes(model: torch.nn.Module, optimizer) -> dict:
             add("optimizer", t)
     counts["total"] = counts["params"] + counts["grads"] + counts["optimizer"]
     return counts
-
-
-def fsdp2_held_gradients(module: torch.nn.Module) -> list[torch.Tensor]:
-    """[FSDP2] The gradients FSDP2 holds outside the sharded parameters' `.grad` between the micro-batches of a
-    step: each parameter's whole, unsharded gradient, kept on every rank while gradient sync is off
-    (`set_requires_gradient_sync(False)`: the unsharded parameter's `.grad` when it is already in the reduce dtype,
-    as in fp32, else its `unsharded_accumulated_grad` upcast to it), and each group's `_partial_reduce_output` (HSDP:
-    the reduce-scattered shard summed over micro-batches while the all-reduce across replicas waits,
-    `set_requires_all_reduce(False)`). Private torch 2.13 attributes, read only. Empty for other engines, and
-    between steps."""
-    from torch.distributed.fsdp import FSDPModule
-
-    held, groups = [], {}
-    for sub in module.modules():
-        if isinstance(sub, FSDPModule):  # modules sharded together ([norm, head]) share one state and its groups
-            groups.update((id(group), group) for group in sub._get_fsdp_state()._fsdp_param_groups)
-    for group in groups.values():
-        held.append(group._partial_reduce_output)
-        for fsdp_param in group.fsdp_params:
-            held.append(fsdp_param.unsharded_accumulated_grad)
-            unsharded = getattr(fsdp_param, "_unsharded_param", None)  # exists once first gathered
-            held.append(unsharded.grad if unsharded is not None else None)
-    return [t for t in held if t is not None]
 
 
 _PROC_STATUS, _PROC_CLEAR_REFS = "/proc/self/status", "/proc/self/clear_refs"

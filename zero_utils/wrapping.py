@@ -15,7 +15,10 @@ FSDP2's implicit one. Their memory effect is measured by
 tests/scripts/unsharded_after_forward.py. A tied embedding/output weight is always kept in one group: FSDP2
 cannot shard one parameter in two groups.
 Accelerate's FSDP2 `prepare` leaves a model that is already an `FSDPModule` untouched, so calling
-`shard_model` before `accelerator.prepare` makes these choices the ones that run. Engines: FSDP2 only.
+`shard_model` before `accelerator.prepare` makes these choices the ones that run. After it, what FSDP2 does with the
+wrapped model: free what inference left gathered (`reshard_after_inference`), all-reduce across HSDP replicas once
+per step (`all_reduce_replicas_on_last_micro_batch`), and the gradients it holds between micro-batches
+(`fsdp2_held_gradients`). Engines: FSDP2 only.
 """
 
 from __future__ import annotations
@@ -242,6 +245,29 @@ def all_reduce_replicas_on_last_micro_batch(model: nn.Module, accelerator) -> No
     root = next((module for module in model.modules() if isinstance(module, FSDPModule)), None)
     if root is not None:
         root.register_forward_pre_hook(lambda module, _args: module.set_requires_all_reduce(accelerator.sync_gradients))
+
+
+def fsdp2_held_gradients(module: nn.Module) -> list[torch.Tensor]:
+    """[FSDP2] The gradients FSDP2 holds outside the sharded parameters' `.grad` between the micro-batches of a
+    step: each parameter's whole, unsharded gradient, kept on every rank while gradient sync is off
+    (`set_requires_gradient_sync(False)`: the unsharded parameter's `.grad` when it is already in the reduce dtype,
+    as in fp32, else its `unsharded_accumulated_grad` upcast to it), and each group's `_partial_reduce_output` (HSDP:
+    the reduce-scattered shard summed over micro-batches while the all-reduce across replicas waits,
+    `set_requires_all_reduce(False)`). Private torch 2.13 attributes, read only. Empty for other engines, and
+    between steps."""
+    from torch.distributed.fsdp import FSDPModule
+
+    held, groups = [], {}
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):  # modules sharded together ([norm, head]) share one state and its groups
+            groups.update((id(group), group) for group in sub._get_fsdp_state()._fsdp_param_groups)
+    for group in groups.values():
+        held.append(group._partial_reduce_output)
+        for fsdp_param in group.fsdp_params:
+            held.append(fsdp_param.unsharded_accumulated_grad)
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)  # exists once first gathered
+            held.append(unsharded.grad if unsharded is not None else None)
+    return [t for t in held if t is not None]
 
 
 def reshard_after_inference(model: nn.Module) -> None:
