@@ -48,7 +48,7 @@ from zero_utils.model import (
     load_tokenizer,
 )
 from zero_utils.optim import build_adamw, clip_gradients, describe_param_groups, lr_at, set_lr
-from zero_utils.parallelize import FSDPWrapping, parallelize  # [LoRA] no after_prepare: below
+from zero_utils.parallelize import FSDPWrapping, after_prepare, parallelize
 from zero_utils.qlora import quantization_config  # [LoRA]
 from zero_utils.token_loss import TokenLosses
 
@@ -160,7 +160,7 @@ def main(cfg: Settings) -> None:
     optimizer = build_adamw(model, cfg.lr, cfg.weight_decay)
     param_groups = describe_param_groups(optimizer)  # decay / no-decay: the same under every engine
     model, optimizer = accelerator.prepare(model, optimizer)
-    # [LoRA] no after_prepare (the fp32-master restore under DeepSpeed): the trainable adapters are new tensors
+    after_prepare(model, accelerator, engine, None)  # [LoRA] no fp32-master restore: the adapters are new tensors
     token_losses = TokenLosses(model, cfg.loss_chunk_tokens, train_data.ignore_index, accelerator)  # chunked head
     run_config = {**asdict(cfg), "engine": engine.name, "world_size": world, "num_params": num_params,
                   "optimizer_param_groups": param_groups, "mixed_precision": accelerator.mixed_precision,

@@ -50,16 +50,17 @@ def parallelize(model, accelerator, engine: Engine, *, activation_checkpointing:
         deepspeed_setup.size_deepspeed_buckets(accelerator, model)
 
 
-def after_prepare(model, accelerator, engine: Engine, model_name: str, revision: str | None = None) -> None:
+def after_prepare(model, accelerator, engine: Engine, model_name: str | None, revision: str | None = None) -> None:
     """What must follow `accelerator.prepare`: [DeepSpeed, bf16/fp16] set the fp32 master weights from the
     checkpoint's own fp32 weights (`deepspeed_setup.restore_fp32_master_weights`; DeepSpeed builds them from the 16-bit
     cast; renamed and fused parameters through transformers' conversion), and name in one warning any trainable
-    parameter still not found; [FSDP2 HSDP] all-reduce gradients across replicas on a step's last micro-batch only
+    parameter still not found (`model_name` None: no restore, the trainable parameters are new, as LoRA's adapters);
+    [FSDP2 HSDP] all-reduce gradients across replicas on a step's last micro-batch only
     (`wrapping.all_reduce_replicas_on_last_micro_batch`). Nothing to do under the other engines. Every rank must call
     it."""
     if engine.hsdp:  # [HSDP] reduce-scatter in the shard group every micro-batch, all-reduce across replicas once
         wrapping.all_reduce_replicas_on_last_micro_batch(model, accelerator)
-    if engine.is_deepspeed and accelerator.mixed_precision != "no":
+    if model_name is not None and engine.is_deepspeed and accelerator.mixed_precision != "no":
         _, unmatched = deepspeed_setup.restore_fp32_master_weights(model, model_name, revision)
         if unmatched:  # said, never skipped silently
             shown = ", ".join(unmatched[:4]) + (", ..." if len(unmatched) > 4 else "")
