@@ -23,8 +23,8 @@ from zero_utils.memory_formulas import expected_model_state_bytes, numel
 from zero_utils.optim import param_groups
 from zero_utils.wrapping import fsdp2_held_gradients, reshard_after_inference
 
-# Model-state bytes are measured in the first steps only: Adam's state exists after the first update, so the second
-# step's micro-batches hold everything an engine ever holds; later steps hold the same.
+# Model-state bytes are measured in the first steps that update only: Adam's state exists after the first update, so
+# the second such step's micro-batches hold everything an engine ever holds; later steps hold the same.
 MEASURED_STEPS = 2
 
 
@@ -77,17 +77,20 @@ class RunMeasurements:
     world size, precision, the trainable parameters in the optimizer's groups (`optim.param_groups`, the split
     `build_adamw` makes) and the frozen ones (LoRA's base).
 
-    Model-state bytes are measured where they peak, in the first `MEASURED_STEPS` steps (Adam's state exists only
-    after the first update, so the second step's accumulation window holds the most): after each micro-batch's
+    Model-state bytes are measured where they peak, until `MEASURED_STEPS` steps have updated (Adam's state exists
+    only after the first update, so the second step's accumulation window holds the most; a skipped step does not
+    count): after each micro-batch's
     backward (`micro_batch`), before the update (gradients of the micro-batches so far, FSDP2's accumulated ones
     included), and right after the innermost optimizer's step while gradients are still held (a hook on it: the same
     moment under every engine, even DeepSpeed, whose step runs inside `accelerator.backward`). The largest total over
-    those moments, max over ranks, is `model_state_bytes`; it stays fixed after the second step.
+    those moments, max over ranks, is `model_state_bytes`; it stays fixed after the second step. (The walks after
+    micro-batches fall inside those steps' timed window: milliseconds.)
 
     Memory peaks are each step's own: reset at `start_step` (CUDA: the allocator's peak; CPU: the RSS high-water mark,
-    reset through /proc/self/clear_refs) and read at `end_step`, so a step's line covers its forward and backward
-    passes and the update before it (under DDP and FSDP2 the update follows `end_step`'s collective; under DeepSpeed
-    it runs inside backward, in its own step). Eval and checkpoint saves between steps are in no step's peak;
+    reset through /proc/self/clear_refs), read and reset again at `end_step`, and read once more after the update,
+    so a step's line covers its forward and backward passes and the update before it (under DDP and FSDP2 the
+    update follows `end_step`'s collective; under DeepSpeed it runs inside backward, in its own step). Eval and
+    checkpoint saves between steps are in no step's peak;
     `summary()` keeps the run's maximum, the last update included. The step time runs from `start_step` to the
     innermost optimizer's update, or under DeepSpeed (whose update runs inside backward) to the end of `end_step`'s
     host sync.
@@ -110,7 +113,7 @@ class RunMeasurements:
             # [ZeRO-1] its whole gradients are seen between micro-batches only (at accumulation 1 inside its step)
             gradient_accumulation_steps=accelerator.gradient_accumulation_steps)
         self.bad_steps = 0
-        self._steps_started, self._updated_this_step = 0, False
+        self._steps_updated, self._updated_this_step = 0, False  # steps whose update ran; this step's
         self._local_model_states: dict[str, int] = {}  # this rank's largest measurement so far
         self._model_states: dict[str, int] = {}  # max over ranks, once measured
         self._saved_activations: dict[str, int] = {}
@@ -127,18 +130,18 @@ class RunMeasurements:
 
     def start_step(self) -> None:
         """Start an optimizer step: its timer and its own memory peaks."""
-        self._steps_started += 1
+        self._steps_updated += self._updated_this_step
         self._t0, self._current, self._updated_this_step = time.perf_counter(), None, False
         reset_peak_memory(self.device)
 
     @contextlib.contextmanager
     def micro_batch(self):
         """Context manager around one micro-batch's forward and backward: counts the bytes autograd saves for
-        backward (the first forward), and in the first `MEASURED_STEPS` steps measures the model states this rank
-        holds after the backward, unless the update already ran in it (DeepSpeed's last micro-batch)."""
+        backward (the first forward), and in the first `MEASURED_STEPS` updating steps measures the model states this
+        rank holds after the backward, unless the update already ran in it (DeepSpeed's last micro-batch)."""
         with count_saved_activations(self._saved_activations):
             yield
-        if self._steps_started <= MEASURED_STEPS and not self._updated_this_step:
+        if self._steps_updated < MEASURED_STEPS and not self._updated_this_step:
             self._measure_model_states()
 
     def _measure_model_states(self) -> None:
@@ -157,6 +160,7 @@ class RunMeasurements:
         local_peaks = {k: max(v, self._update_peaks.get(k, 0)) for k, v in local_peaks.items()}
         self._update_peaks = {}
         self._local_run_peaks = {k: max(v, self._local_run_peaks.get(k, 0)) for k, v in local_peaks.items()}
+        reset_peak_memory(self.device)  # what follows (DDP, FSDP2: the update) is read in `_on_update`
         extra_sums = extra_sums or {}
         values = distributed.reduce_step_values(
             self.accelerator, sums={"loss_sum": loss_sum, **extra_sums},
@@ -187,7 +191,7 @@ class RunMeasurements:
         self._updated_this_step = True
         if self._current is not None:  # DDP, FSDP2: the update follows end_step; its peak goes to the next one
             self._update_peaks = peak_memory(self.device)
-        if self._steps_started <= MEASURED_STEPS:  # the model states where they peak (not timed)
+        if self._steps_updated < MEASURED_STEPS:  # the model states where they peak (not timed)
             self._measure_model_states()
             # every rank steps its optimizer at this point, so the maximum over ranks can be taken here
             self._model_states = distributed.max_over_ranks(self.accelerator, self._local_model_states)

@@ -248,12 +248,14 @@ def expected_model_state_bytes(engine: Engine, num_params: int, world_size: int,
     them the result is exact for the most loaded rank (the one `model_state_bytes` in metrics.jsonl reports):
     what cannot shard evenly is added, not hidden in a tolerance (`sharding_remainder_bytes`).
     """
-    ideal = model_state_bytes(engine, num_params, world_size, mixed_precision, **kwargs).total_bytes
+    peak = model_state_bytes(engine, num_params, world_size, mixed_precision, **kwargs).total_bytes
     group = kwargs.get("shard_group_size") or world_size
-    if param_groups is None or group == 1 or _holds_whole_gradients(
-            engine, group, _precision(mixed_precision), kwargs.get("gradient_accumulation_steps")):
-        return ideal  # [ZeRO-1 before its reduction] whole gradients: no partition border to add
-    return ideal + sharding_remainder_bytes(engine, param_groups, group, mixed_precision)
+    if param_groups is None or group == 1:
+        return peak
+    after_step = model_state_bytes(engine, num_params, world_size, mixed_precision,
+                                   **{**kwargs, "gradient_accumulation_steps": 1}).total_bytes
+    # [ZeRO-1] before its reduction the gradients are whole (no partition border to add), after it the border's are
+    return max(peak, after_step + sharding_remainder_bytes(engine, param_groups, group, mixed_precision))
 
 
 def sharding_remainder_bytes(engine: Engine, param_groups: list[list[tuple[int, ...]]], world_size: int,
