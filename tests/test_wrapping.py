@@ -118,6 +118,22 @@ def test_wrapping_choices_change_what_stays_gathered(runs):
     assert (before["max_blocks_gathered_in_forward"], after["max_blocks_gathered_in_forward"]) == (1, 3)
 
 
+def test_reshard_fallback_for_older_torch_leaves_what_reset_iter_state_leaves(runs):
+    """torch < 2.13 has no `reset_iter_state` (the GPU machine's image has 2.11): `reshard_after_inference` then
+    calls `reshard()` on every FSDP module (`wrapping.reshard_every_group`). After an inference forward on 2 ranks
+    (fsdp2.yaml: the last block and the output head stay gathered) the fallback leaves exactly what
+    `reset_iter_state` leaves after the same forward: nothing registered unsharded, every parameter SHARDED. The run
+    is the wrapping test's default probe."""
+    run = runs("probe-fsdp2", recipe="tests/scripts/unsharded_after_forward.py", config="fsdp2",
+               mixed_precision="no").check()
+    after = json.loads((run.output_dir / "report.json").read_text())["after_inference"]
+    for name in ("reshard_every_group", "reset_iter_state"):
+        assert after[f"before_{name}"]["unsharded_bytes"] > 0  # the inference forward left groups gathered
+    assert after["reshard_every_group"] == after["reset_iter_state"]
+    assert after["reset_iter_state"]["unsharded_bytes"] == 0
+    assert set(after["reset_iter_state"]["states"]) == {"ShardedState.SHARDED"}
+
+
 @pytest.fixture(scope="module")
 def pretrained_50m(session_root) -> tuple[str, int]:
     """A 49.8M-parameter Llama saved with weights (199 MB in fp32); its largest tensor is 3 MB, so the

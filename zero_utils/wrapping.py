@@ -279,11 +279,26 @@ def reshard_after_inference(model: nn.Module) -> None:
     cost memory until the next training step. FSDP2 also records every forward's group order for backward
     prefetching and clears it only at the end of a backward: after an inference forward the next backward reads the
     stale order and all-gathers the output-head group a second time, after its own backward. The root's
-    `reset_iter_state()` (torch >= 2.13) reshards every group and clears that order. A no-op for models that are not
-    FSDP2 modules.
+    `reset_iter_state()` (torch >= 2.13) reshards every group and clears that order; on older torch (the GPU
+    machine's image has 2.11) every FSDP module is resharded (`reshard_every_group`), and the stale order costs that
+    one extra all-gather. A no-op for models that are not FSDP2 modules.
     """
     from torch.distributed.fsdp import FSDPModule
 
     root = next((module for module in model.modules() if isinstance(module, FSDPModule)), None)
-    if root is not None:
+    if root is None:
+        return
+    if hasattr(root, "reset_iter_state"):  # torch >= 2.13
         root.reset_iter_state()
+    else:
+        reshard_every_group(model)
+
+
+def reshard_every_group(model: nn.Module) -> None:
+    """[FSDP2, torch < 2.13] `reshard()` every FSDP module of `model`: what `reset_iter_state` does to the
+    parameters, without clearing FSDP2's recorded forward order (a public-API fallback)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()

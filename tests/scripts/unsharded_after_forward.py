@@ -7,7 +7,10 @@
 Writes D/report.json (rank 0): unsharded_bytes (parameters still gathered between forward and backward),
 full_param_bytes (the whole model), the bytes of the groups that matter (last block, final norm + output head,
 input embedding), and the most decoder blocks held gathered at once at the start of a block's forward
-(prefetching gathers the next blocks early).
+(prefetching gathers the next blocks early). After training, an inference forward leaves groups gathered; it is
+resharded once by the torch < 2.13 fallback (`wrapping.reshard_every_group`) and, after another inference
+forward, once by `reset_iter_state`: "after_inference" holds, for each, the bytes still registered unsharded and
+every parameter's FSDP2 sharded state.
 """
 
 import argparse
@@ -70,10 +73,31 @@ unsharded = sum(p.numel() * p.element_size() for p in model.parameters() if not 
 logits.float().mean().backward()
 optimizer.step()
 optimizer.zero_grad()
+
+
+def fsdp_state() -> dict:
+    """Bytes registered unsharded, and each FSDPParam's sharded state (FSDP2 internals), in a fixed order."""
+    from torch.distributed.fsdp import FSDPModule
+
+    groups = {id(g): g for m in model.modules() if isinstance(m, FSDPModule)
+              for g in m._get_fsdp_state()._fsdp_param_groups}
+    return {"unsharded_bytes": sum(p.numel() * p.element_size() for p in model.parameters()
+                                   if not isinstance(p, DTensor)),
+            "states": [str(fp.sharded_state) for g in groups.values() for fp in g.fsdp_params]}
+
+
+after_inference = {}
+for name, reshard in (("reshard_every_group", wrapping.reshard_every_group),
+                      ("reset_iter_state", lambda m: m.reset_iter_state())):
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 100, (1, 16)), use_cache=False)
+    after_inference[f"before_{name}"] = fsdp_state()
+    reshard(model)
+    after_inference[name] = fsdp_state()
 if accelerator.is_main_process:
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     report = {"unsharded_bytes": unsharded, "full_param_bytes": sum(sizes.values()), **group_bytes,
-              "max_blocks_gathered_in_forward": max(gathered_per_block_forward),
+              "max_blocks_gathered_in_forward": max(gathered_per_block_forward), "after_inference": after_inference,
               "engine": Engine.of(accelerator).name}
     (Path(args.output_dir) / "report.json").write_text(json.dumps(report))
 accelerator.wait_for_everyone()
