@@ -79,21 +79,20 @@ class RunMeasurements:
 
     Model-state bytes are measured where they peak, until `MEASURED_STEPS` steps have updated (Adam's state exists
     only after the first update, so the second step's accumulation window holds the most; a skipped step does not
-    count): after each micro-batch's
-    backward (`micro_batch`), before the update (gradients of the micro-batches so far, FSDP2's accumulated ones
-    included), and right after the innermost optimizer's step while gradients are still held (a hook on it: the same
-    moment under every engine, even DeepSpeed, whose step runs inside `accelerator.backward`). The largest total over
-    those moments, max over ranks, is `model_state_bytes`; it stays fixed after the second step. (The walks after
-    micro-batches fall inside those steps' timed window: milliseconds.)
+    count): after each micro-batch's backward (`micro_batch`), before the update (gradients of the micro-batches so
+    far, FSDP2's accumulated ones included), and right after the innermost optimizer's step while gradients are
+    still held (a hook on it: the same moment under every engine, even DeepSpeed, whose step runs inside
+    `accelerator.backward`). The largest total over those moments, max over ranks, is `model_state_bytes`; it stays
+    fixed after the second step. (The walks after micro-batches fall inside those steps' timed window:
+    milliseconds.)
 
-    Memory peaks are each step's own: reset at `start_step` (CUDA: the allocator's peak; CPU: the RSS high-water mark,
-    reset through /proc/self/clear_refs), read and reset again at `end_step`, and read once more after the update,
-    so a step's line covers its forward and backward passes and the update before it (under DDP and FSDP2 the
-    update follows `end_step`'s collective; under DeepSpeed it runs inside backward, in its own step). Eval and
-    checkpoint saves between steps are in no step's peak;
-    `summary()` keeps the run's maximum, the last update included. The step time runs from `start_step` to the
-    innermost optimizer's update, or under DeepSpeed (whose update runs inside backward) to the end of `end_step`'s
-    host sync.
+    Memory peaks are each step's own: reset at `start_step` (CUDA: the allocator's peak; CPU: the RSS high-water
+    mark, reset through /proc/self/clear_refs), read and reset again at `end_step`, and read once more after the
+    update, so a step's line covers its forward and backward passes and the update before it (under DDP and FSDP2
+    the update follows `end_step`'s collective; under DeepSpeed it runs inside backward, in its own step). Eval and
+    checkpoint saves between steps are in no step's peak; `summary()` keeps the run's maximum, the last update
+    included. The step time runs from `start_step` to the innermost optimizer's update, or under DeepSpeed (whose
+    update runs inside backward) to the end of `end_step`'s host sync.
     """
 
     def __init__(self, accelerator, engine: Engine, model, optimizer, *, tokens_per_step: int,
@@ -119,14 +118,13 @@ class RunMeasurements:
         self._saved_activations: dict[str, int] = {}
         self._step_times: list[float] = []
         self._peak_keys = tuple(peak_memory(self.device))  # which peaks this device reports
-        self._local_run_peaks: dict[str, int] = {}  # this rank's, over the steps so far
+        self._local_run_peaks: dict[str, int] = {}  # this rank's, over the steps and updates so far
         self._update_peaks: dict[str, int] = {}  # this rank's peak in an update that followed end_step
         self._t0 = time.perf_counter()
         self._current: StepResult | None = None  # this step's result once end_step made it
         # Under DeepSpeed the innermost optimizer steps inside `accelerator.backward`: a hook on it is the one moment
         # every engine shares, right after the update while gradients are still held.
         innermost(optimizer).register_step_post_hook(self._on_update)
-        reset_peak_memory(self.device)
 
     def start_step(self) -> None:
         """Start an optimizer step: its timer and its own memory peaks."""
@@ -156,10 +154,10 @@ class RunMeasurements:
         `extra_sums`, e.g. a preference loss's rewards) and one host sync. `loss_tokens` is what the loss is a mean
         over (answer tokens; pairs for a preference loss); each extra sum is divided by it too (`StepResult.means`).
         Returns the step's `StepResult`; raises the non-finite-loss stop past `max_bad_steps`."""
-        local_peaks = peak_memory(self.device)  # this step's, with the update before it (see the class docstring)
-        local_peaks = {k: max(v, self._update_peaks.get(k, 0)) for k, v in local_peaks.items()}
+        # this step's, with the update before it (see the class docstring)
+        local_peaks = _max_per_key(peak_memory(self.device), self._update_peaks)
         self._update_peaks = {}
-        self._local_run_peaks = {k: max(v, self._local_run_peaks.get(k, 0)) for k, v in local_peaks.items()}
+        self._local_run_peaks = _max_per_key(self._local_run_peaks, local_peaks)
         reset_peak_memory(self.device)  # what follows (DDP, FSDP2: the update) is read in `_on_update`
         extra_sums = extra_sums or {}
         values = distributed.reduce_step_values(
@@ -191,6 +189,7 @@ class RunMeasurements:
         self._updated_this_step = True
         if self._current is not None:  # DDP, FSDP2: the update follows end_step; its peak goes to the next one
             self._update_peaks = peak_memory(self.device)
+            self._local_run_peaks = _max_per_key(self._local_run_peaks, self._update_peaks)
         if self._steps_updated < MEASURED_STEPS:  # the model states where they peak (not timed)
             self._measure_model_states()
             # every rank steps its optimizer at this point, so the maximum over ranks can be taken here
@@ -238,12 +237,11 @@ class RunMeasurements:
         rank's own peaks and model-state bytes: `peak_mem_bytes_per_rank` (`peak_reserved_bytes_per_rank` on CUDA)
         and `model_state_bytes_per_rank`, lists indexed by rank, so that an uneven rank shows (`rank_spread`). A
         collective: every rank must call it, once, after the loop."""
-        local_peaks = {k: max(v, self._update_peaks.get(k, 0)) for k, v in self._local_run_peaks.items()}
-        local = {f"{k}_per_rank": v for k, v in local_peaks.items()}
+        local = {f"{k}_per_rank": v for k, v in self._local_run_peaks.items()}
         if self._local_model_states:
             local["model_state_bytes_per_rank"] = self._local_model_states["total"]
         every_rank = distributed.per_rank(self.accelerator, local) if local else {}
-        peaks = {k: max(every_rank[f"{k}_per_rank"]) for k in local_peaks}
+        peaks = {k: max(every_rank[f"{k}_per_rank"]) for k in self._local_run_peaks}
         return {
             "tokens_per_s": statistics.median(self.tokens_per_step / t for t in self._step_times)
             if self._step_times else None,
@@ -257,6 +255,12 @@ class RunMeasurements:
             "model_state_breakdown_bytes": self._model_states or None,
             **every_rank,
         }
+
+
+def _max_per_key(peaks: dict[str, int], more: dict[str, int]) -> dict[str, int]:
+    """Element-wise maximum of two {name: bytes} dicts (a key missing from one counts as 0), keys in a fixed order
+    (`peaks`' first): the order every rank sends them in one collective."""
+    return {k: max(peaks.get(k, 0), more.get(k, 0)) for k in dict.fromkeys([*peaks, *more])}
 
 
 def rank_spread(per_rank: list[int | float] | None) -> float | None:

@@ -233,6 +233,13 @@ def _final_norm(model: nn.Module, blocks: list[nn.Module]) -> nn.Module | None:
     return norms[-1] if norms else None
 
 
+def _fsdp_root(model: nn.Module) -> nn.Module | None:
+    """The outermost FSDP module of `model` (the root `fully_shard` was applied to last), or None."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next((module for module in model.modules() if isinstance(module, FSDPModule)), None)
+
+
 def all_reduce_replicas_on_last_micro_batch(model: nn.Module, accelerator) -> None:
     """[FSDP2 HSDP] Before each forward of the prepared `model`, tell FSDP2 whether this micro-batch's backward
     all-reduces gradients across replicas: only on a step's last micro-batch (`accelerator.sync_gradients`, set by
@@ -240,9 +247,7 @@ def all_reduce_replicas_on_last_micro_batch(model: nn.Module, accelerator) -> No
     (`set_requires_all_reduce(False)`: its `_partial_reduce_output`, 1/shard-group of the gradients), so a step makes
     one all-reduce across nodes instead of one per micro-batch, for the same gradients. A no-op for models that are
     not FSDP2 modules. Every rank must call it, once, after `accelerator.prepare`."""
-    from torch.distributed.fsdp import FSDPModule
-
-    root = next((module for module in model.modules() if isinstance(module, FSDPModule)), None)
+    root = _fsdp_root(model)
     if root is not None:
         root.register_forward_pre_hook(lambda module, _args: module.set_requires_all_reduce(accelerator.sync_gradients))
 
@@ -283,9 +288,7 @@ def reshard_after_inference(model: nn.Module) -> None:
     machine's image has 2.11) every FSDP module is resharded (`reshard_every_group`), and the stale order costs that
     one extra all-gather. A no-op for models that are not FSDP2 modules.
     """
-    from torch.distributed.fsdp import FSDPModule
-
-    root = next((module for module in model.modules() if isinstance(module, FSDPModule)), None)
+    root = _fsdp_root(model)
     if root is None:
         return
     if hasattr(root, "reset_iter_state"):  # torch >= 2.13
