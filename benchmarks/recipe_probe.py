@@ -20,6 +20,9 @@ BENCH_DEEPSPEED_ZERO='{"key": value, ...}'  overrides DeepSpeed `zero_optimizati
                     "auto" at hidden 256.
 BENCH_COMPILE_BLOCKS=1  compiles every decoder block in place (`nn.Module.compile`, parameter names unchanged)
                     before sharding, as torchtitan compiles per block (benchmarks/gpu.py's compiled variant).
+BENCH_NO_CHECKPOINTS=1  saves no checkpoint and exports no final/ folder (benchmarks/gpu.py: its 0.85B model's
+                    checkpoint with Adam's state is ~10 GB, minutes of disk writes that measure nothing it reports);
+                    summary.json's "checkpoint" then names a folder never written, "checkpoint_bytes" 0.
 BENCH_ACCELERATE_FSDP2_PREP=1  skips zero_utils.wrapping.shard_model: accelerate's `prepare` then applies
                     `fully_shard` itself (TRANSFORMER_BASED_WRAP on the decoder-block class, then the root, all
                     with the YAML's reshard_after_forward), which is what users get without our wrapping choices.
@@ -149,6 +152,15 @@ def accelerate_default_accumulation() -> None:
     accelerate.utils.GradientAccumulationPlugin = default_sync
 
 
+def no_checkpoints() -> None:
+    """The checkpointer's save does nothing (it still returns the stop flag the loop obeys) and its export writes
+    nothing (it returns the folder it would have written)."""
+    from zero_utils.checkpoint import Checkpointer
+
+    Checkpointer.save = lambda self, step, *, stop: stop
+    Checkpointer.export = lambda self, out_dir: Path(out_dir)
+
+
 def compile_blocks() -> None:
     """Compile each decoder block before the engine wraps it (FSDP2 sharding, or DeepSpeed's prepare)."""
     shard_model = zero_utils.wrapping.shard_model
@@ -174,6 +186,8 @@ if __name__ == "__main__":
         compile_blocks()
     if os.environ.get("BENCH_ACCELERATE_FSDP2_PREP") == "1":
         accelerate_fsdp2_prep()
+    if os.environ.get("BENCH_NO_CHECKPOINTS") == "1":
+        no_checkpoints()
     if os.environ.get("BENCH_ACCELERATE_ACCUMULATION") == "1":
         accelerate_default_accumulation()
     # The recipe runs through the test harness, which adds the per-rank evidence (sharding_per_rank, ...) to

@@ -1,7 +1,7 @@
 """The benchmarks run and every row they report is sane (never timed: performance claims live in docs/BENCHMARKS.md).
 
 `benchmarks/run.py --smoke` launches every engine once at 2 processes (12 launches, about 3 minutes here);
-`benchmarks/gpu.py --smoke` checks the GPU script's logic on the CPU with a tiny model."""
+`benchmarks/gpu.py --smoke` checks the GPU check's logic on the CPU with tiny shapes, from the wheels it carries."""
 
 from __future__ import annotations
 
@@ -79,22 +79,104 @@ def test_timing_rows_and_trainer_really_shards(results):
     assert results["zero3_default_buckets"]["over_trainer_tokens_per_s"]["median"] > 0
 
 
+# The GPU image as issue 44 lists it (2026-11-17): what it has (with whatever they require), and what it lacks.
+GPU_IMAGE_HAS = ["torch", "transformers", "accelerate", "tokenizers", "peft", "pyarrow", "xxhash", "msgpack",
+                 "einops", "psutil", "py-cpuinfo", "ninja"]
+GPU_IMAGE_LACKS = ["datasets", "dill", "multiprocess", "deepspeed", "hjson", "pydantic", "pydantic-core",
+                   "annotated-types", "typing-inspection", "wandb"]
+
+
+def _requires_closure(roots: list[str]) -> set[str]:
+    """Every distribution `roots` need, by their installed Requires-Dist, for CPython 3.12 on x86_64 Linux."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    target = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux",
+              "platform_system": "Linux", "platform_machine": "x86_64", "os_name": "posix",
+              "implementation_name": "cpython", "platform_python_implementation": "CPython", "extra": ""}
+    seen, todo = set(), [canonicalize_name(r) for r in roots]
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            for line in metadata.requires(name) or []:
+                requirement = Requirement(line)
+                if requirement.marker is None or requirement.marker.evaluate(target):
+                    todo.append(canonicalize_name(requirement.name))
+    return seen
+
+
+@pytest.mark.unit
+def test_gpu_wheels_are_what_the_image_lacks_for_datasets_and_deepspeed():
+    """benchmarks/gpu.py carries exactly the Requires-Dist closure of datasets and DeepSpeed (at our pins, read from
+    this environment's metadata) less what the GPU image has: its packages and their own requirements, except the
+    ones the image is known to lack (pydantic's family: newer huggingface-hub needs it, the image's does not)."""
+    import importlib.util
+
+    from packaging.utils import canonicalize_name
+
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "benchmarks/gpu.py")
+    gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu)  # argparse runs in main() only
+    on_image = _requires_closure(GPU_IMAGE_HAS) - {canonicalize_name(n) for n in GPU_IMAGE_LACKS}
+    needed = _requires_closure(["datasets", "deepspeed"]) - on_image
+    carried = {canonicalize_name(n) for n in gpu.WHEELS + gpu.BUILT_HERE}
+    assert needed == carried
+    assert {"pandas", "python-dateutil", "pydantic-core"} <= needed  # the closure is walked, not only the roots
+
+
+@pytest.mark.slow
 @pytest.mark.distributed
-def test_gpu_script_logic_on_cpu(tmp_path):
-    """The GPU check's logic on a CPU: the recipe launched per variant at 1 process (FSDP2 and ZeRO-3), its
-    summary read back, MFU from the PaLM formula (2 launches; compiled variants are GPU-only)."""
-    proc = subprocess.run([sys.executable, "benchmarks/gpu.py", "--smoke", "--output_dir", str(tmp_path),
-                           "--variants", "fsdp2", "zero3"], cwd=REPO, env=isolated_env(tmp_path),
-                          capture_output=True, text=True, timeout=600)
+def test_gpu_check_runs_on_cpu_from_its_own_wheels(tmp_path):
+    """The GPU check as the GPU machine runs it, on a CPU with tiny shapes: the wheels --download_wheels fetches
+    (here for this Python), installed with --no-index --no-deps into a private --target that the steps import
+    datasets and DeepSpeed from; every step passes; the recipe runs under FSDP2 and ZeRO-3 at accumulation 1 and 2
+    (4 launches) and writes no checkpoint."""
+    wheels, out = tmp_path / "wheels", tmp_path / "out"
+    python = f"{sys.version_info.major}.{sys.version_info.minor}"
+    env = isolated_env(tmp_path)
+    proc = subprocess.run([sys.executable, "benchmarks/gpu.py", "--download_wheels", str(wheels), "--python_version",
+                           python], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = subprocess.run([sys.executable, "benchmarks/gpu.py", "--smoke", "--output_dir", str(out), "--wheels",
+                           str(wheels)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
-    report = json.loads((tmp_path / "gpu.json").read_text())
-    assert [(v["variant"], v["engine"]) for v in report["variants"]] == [("fsdp2", "fsdp2"), ("zero3", "zero3")]
-    for v in report["variants"]:
-        assert v["tokens_per_s"] > 0 and 0 < v["mfu_measured_peak"] < 1 and v["peak_mem_bytes"] > 0
-        assert v["peak_mem_bytes_estimated"] > 0  # the fit check's, printed next to the allocated peak on a GPU
-        assert v["peak_mem_measured"].startswith("process RSS") and v["peak_reserved_bytes"] is None  # CPU
-        assert v["model_state_bytes"] == pytest.approx(v["model_state_bytes_expected"], rel=0.02)
-        assert v["flops_per_token"] == 6 * (v["num_params"] - 872 * 64) + 12 * 2 * 64 * 64
+    assert "| recipe_zero3_accum2 | ok |" in proc.stdout  # the closing table
+    report = json.loads((out / "gpu.json").read_text())
+    steps = {r["step"]: r for r in report["results"]}
+    assert list(steps) == ["install", "environment", "attention", "chunked_head", "tokenizer_workers",
+                           "recipe_fsdp2_accum1", "recipe_fsdp2_accum2", "recipe_zero3_accum1", "recipe_zero3_accum2"]
+    assert {r["status"] for r in steps.values()} == {"ok"}, {k: r.get("log_tail") for k, r in steps.items()}
+    assert report["wall_s"] < report["budget_s"] == 360
+    assert len(steps["install"]["result"]["installed"]) == len(list(wheels.glob("*.whl"))) == 12
+    env_result = steps["environment"]["result"]
+    for package in ("datasets", "deepspeed"):  # imported from the private folder, not from this environment
+        assert env_result[f"{package}_imports"] is True and "gpu_check_site_" in env_result[f"{package}_from"]
+    assert env_result["torch_2_13_only_missing"] == {} and env_result["matmul_peak_flops"] > 0  # torch 2.13 here
+    ways = steps["attention"]["result"]["ways"]
+    assert ways["packed_sdpa"]["loss_agrees"] and ways["unpacked_sdpa"]["loss_agrees"]
+    assert ways["packed_sdpa"]["loss_tokens"] == ways["unpacked_sdpa"]["loss_tokens"] > 0
+    assert any("scaled_dot_product" in k for k in ways["packed_sdpa"]["kernels"])
+    assert "skipped" in ways["flash_varlen"]  # flash_attn is not installed here
+    head = steps["chunked_head"]["result"]
+    assert head["chunked"]["chunked"] and not head["whole_logits"]["chunked"]
+    assert head["max_token_loss_difference"] < 1e-4
+    workers = steps["tokenizer_workers"]["result"]
+    assert workers["same_tokens"] and workers["examples"] == 4000 and workers["num_proc_2"]["examples_per_s"] > 0
+    for engine in ("fsdp2", "zero3"):
+        one, two = (steps[f"recipe_{engine}_accum{k}"]["result"] for k in (1, 2))
+        assert (one["engine"], two["engine"]) == (engine, engine)
+        assert two["global_batch_rows"] == 2 * one["global_batch_rows"] == 4  # --batch_size 2 at accumulation 2
+        for r in (one, two):
+            assert r["tokens_per_s"] > 0 and 0 < r["mfu_measured_peak"] < 1 and r["peak_mem_bytes"] > 0
+            assert r["peak_mem_bytes_estimated"] > 0  # the fit check's, next to the allocated peak on a GPU
+            assert r["model_states_over_expected"] == pytest.approx(1, abs=0.02)
+            assert r["flops_per_token"] == 6 * (r["num_params"] - 872 * 64) + 12 * 2 * 64 * 64
+    assert not [p for p in out.rglob("*") if p.name in ("checkpoints", "final")]
+    recipe_files = [p for p in out.glob("recipe_*/**/*") if p.is_file()]  # metrics, summary, the harness's probe
+    assert recipe_files and max(p.stat().st_size for p in recipe_files) < 2**16  # a checkpoint here: ~3 MB
 
 
 @pytest.mark.unit

@@ -258,14 +258,18 @@ def fsdp2_held_gradients(module: nn.Module) -> list[torch.Tensor]:
     (`set_requires_gradient_sync(False)`: the unsharded parameter's `.grad` when it is already in the reduce dtype,
     as in fp32, else its `unsharded_accumulated_grad` upcast to it), and each group's `_partial_reduce_output` (HSDP:
     the reduce-scattered shard summed over micro-batches while the all-reduce across replicas waits,
-    `set_requires_all_reduce(False)`). Private torch 2.13 attributes, read only. Empty for other engines, and
-    between steps."""
+    `set_requires_all_reduce(False)`). Private torch attributes (2.13's groups, or the one group per module of
+    older torch), read only. Empty for other engines, and between steps."""
     from torch.distributed.fsdp import FSDPModule
 
     held, groups = [], {}
     for sub in module.modules():
         if isinstance(sub, FSDPModule):  # modules sharded together ([norm, head]) share one state and its groups
-            groups.update((id(group), group) for group in sub._get_fsdp_state()._fsdp_param_groups)
+            state = sub._get_fsdp_state()
+            if hasattr(state, "_fsdp_param_groups"):  # torch >= 2.13: a list
+                groups.update((id(group), group) for group in state._fsdp_param_groups)
+            elif state._fsdp_param_group is not None:  # older torch (the GPU image's 2.11): one group or None
+                groups[id(state._fsdp_param_group)] = state._fsdp_param_group
     for group in groups.values():
         held.append(group._partial_reduce_output)
         for fsdp_param in group.fsdp_params:
