@@ -159,7 +159,7 @@ def one_line(row: dict) -> str:
     if row["step"] == "attention":
         return "attention: " + "; ".join(
             f"{k} {v['ms']:.1f} ms, {v['peak_mem_bytes'] / 2**30:.2f} GiB, loss {v['loss']:.4f}"
-            f"{'' if v['loss_agrees'] else ' (DISAGREES)'}" if "ms" in v else f"{k} skipped"
+            f"{'' if v['loss_agrees'] else ' (DISAGREES)'}" if "ms" in v else f"{k} {next(iter(v))}"
             for k, v in r["ways"].items())
     if row["step"] == "chunked_head":
         return (f"chunked_head: peak {r['chunked_over_whole_peak']:.2f}x the whole logits', max token-loss "
