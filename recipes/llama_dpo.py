@@ -26,8 +26,8 @@ Features, the flag that controls each, and its cost:
     batch       --per_device_batch_size pairs (2x rows) x --gradient_accumulation_steps x processes = global batch
     fit check   as in llama_zero3.py at 2 rows per pair, with the reference's bytes (python -m zero_utils.memory
                 --reference model gives the same estimate)
-    optimizer, loss chunks (--loss_chunk_tokens), eval (eval_ prefixed metrics), checkpoint, FSDP2 (--fsdp_*),
-                tracking, presets (--config): as in llama_zero3.py
+    optimizer, loss chunks (--loss_chunk_tokens), eval (eval_ prefixed metrics), checkpoint, waits
+                (--wait_limit_s), FSDP2 (--fsdp_*), tracking, presets (--config): as in llama_zero3.py
 Logged per step and on eval: loss, reward_chosen, reward_rejected, reward_margin, reward_accuracy, logps_chosen,
 logps_rejected. Outputs: --output_dir/{metrics.jsonl, summary.json, checkpoints/step_<N>/, final/}.
 """
@@ -95,6 +95,8 @@ class Settings:
     save_every: int = flag(0, "checkpoint every N steps (0 = only at the end)", min=0)
     keep_last: int = flag(2, "checkpoints to keep", min=1)
     collective_timeout_s: int = flag(1800, "a rank waiting this long on a dead peer fails the job", min=10)
+    wait_limit_s: int = flag(0, "longest wait for one process's work: data prep, download, rank-0 load, export "
+                             "(0 = no limit)", min=0)
     resume: str = flag("", "'auto' (newest complete checkpoint in output_dir) or a checkpoint path")
     overwrite: bool = flag(False, "allow an output_dir that already holds checkpoints")
     report_to: str = flag("wandb", "wandb, none, or any accelerate tracker")
@@ -123,7 +125,7 @@ def main(cfg: Settings) -> None:
     accelerator, engine = build_accelerator(  # the engine is what the YAML decided
         per_device_batch_size=cfg.per_device_batch_size, gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         max_grad_norm=cfg.max_grad_norm, log_with=tracking.trackers_for(cfg.report_to), project_dir=cfg.output_dir,
-        timeout_s=cfg.collective_timeout_s)
+        timeout_s=cfg.collective_timeout_s, wait_limit_s=cfg.wait_limit_s)
     world = accelerator.num_processes
     checkpointer = Checkpointer(
         accelerator, engine, cfg.output_dir, resume=cfg.resume, overwrite=cfg.overwrite, save_every=cfg.save_every,

@@ -33,6 +33,10 @@ Features, the flag that controls each, and its cost:
                 not, warns within 15%; --no-fit_check skips it (a meta-device build of the model: seconds)
     eval        --eval_fraction held out (or the dataset's validation split), every --eval_every steps
     checkpoint  --save_every steps, --keep_last, --resume auto|PATH, --overwrite (one save: model + optimizer)
+    waits       work one process does alone (data preparation, a Hub model's download once per node, rank 0
+                reading the weights, the export) is waited for outside collectives, on every node, as long as it
+                takes or --wait_limit_s (default 0: no limit); --collective_timeout_s bounds collectives only. On
+                several nodes --output_dir must be a folder every node sees: checked at start, in seconds
     FSDP2       block-by-block wrapping; --fsdp_reshard_last_block, --fsdp_embedding_group, --fsdp_prefetch_blocks
                 (default: last block kept gathered for backward); pretrained weights are read by rank 0 only
                 and broadcast
@@ -98,6 +102,8 @@ class Settings:
     save_every: int = flag(0, "checkpoint every N steps (0 = only at the end)", min=0)
     keep_last: int = flag(2, "checkpoints to keep", min=1)
     collective_timeout_s: int = flag(1800, "a rank waiting this long on a dead peer fails the job", min=10)
+    wait_limit_s: int = flag(0, "longest wait for one process's work: data prep, download, rank-0 load, export "
+                             "(0 = no limit)", min=0)
     resume: str = flag("", "'auto' (newest complete checkpoint in output_dir) or a checkpoint path")
     overwrite: bool = flag(False, "allow an output_dir that already holds checkpoints")
     report_to: str = flag("wandb", "wandb, none, or any accelerate tracker")
@@ -125,7 +131,7 @@ def main(cfg: Settings) -> None:
     accelerator, engine = build_accelerator(  # the engine is what the YAML decided
         per_device_batch_size=cfg.per_device_batch_size, gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         max_grad_norm=cfg.max_grad_norm, log_with=tracking.trackers_for(cfg.report_to), project_dir=cfg.output_dir,
-        timeout_s=cfg.collective_timeout_s)
+        timeout_s=cfg.collective_timeout_s, wait_limit_s=cfg.wait_limit_s)
     world = accelerator.num_processes
     # Owns resume, cadence, async saves, keep-last, metadata and the save after SIGTERM/SIGINT/SIGUSR1.
     checkpointer = Checkpointer(

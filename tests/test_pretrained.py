@@ -8,9 +8,11 @@ one), and weight decay is 1.0, so a matrix left out of the decay group moves the
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
+from conftest import isolated_env
 from safetensors.torch import load_file
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -51,6 +53,19 @@ def fine_tune(runs, pretrained):
         return runs(f"pt-{engine}", *ARGS, "--model", pretrained, "--per_device_batch_size", "4", config=engine,
                     num_processes=2, mixed_precision="no").check()
     return get
+
+
+def test_fsdp2_rank0_reading_past_the_collective_timeout_trains(fine_tune, runs, pretrained, session_root):
+    """FSDP2 reads pretrained weights on rank 0 alone; its read here takes 15 s (the harness delays rank 0's
+    `from_pretrained`), longer than --collective_timeout_s 10. The other rank waits outside any collective
+    instead of in the broadcast that follows: the job trains as the undelayed run does."""
+    env = {**isolated_env(session_root), "ZERO_RECIPES_HARNESS_SLOW_RANK0_LOAD_S": "15"}
+    start = time.monotonic()
+    slow = runs("pt-fsdp2-slow-rank0-load", *ARGS, "--model", pretrained, "--per_device_batch_size", "4",
+                "--collective_timeout_s", "10", config="fsdp2", num_processes=2, mixed_precision="no",
+                env=env).check()
+    assert time.monotonic() - start > 15
+    assert losses(slow) == losses(fine_tune("fsdp2"))
 
 
 def losses(run) -> list[float]:

@@ -24,6 +24,7 @@ import os
 
 import torch
 
+from zero_utils import distributed
 from zero_utils.engine import Engine
 from zero_utils.errors import UserError
 
@@ -73,7 +74,8 @@ def _check_no_duplicate_setting(env_key: str, flag: str, value) -> None:
 
 
 def build_accelerator(*, per_device_batch_size: int, gradient_accumulation_steps: int, max_grad_norm: float,
-                      log_with: str | list | None = None, project_dir: str | None = None, timeout_s: int = 1800):
+                      log_with: str | list | None = None, project_dir: str | None = None, timeout_s: int = 1800,
+                      wait_limit_s: float = 0):
     """Create the Accelerator for the engine the launch asked for (DDP, DeepSpeed ZeRO-1/2/3, FSDP2), on GPU or CPU.
 
     Args:
@@ -84,6 +86,9 @@ def build_accelerator(*, per_device_batch_size: int, gradient_accumulation_steps
         max_grad_norm: clipping threshold (DeepSpeed clips inside its engine: written as `gradient_clipping`).
         log_with, project_dir: passed to `Accelerator` for trackers.
         timeout_s: collective timeout: a rank waiting this long for a dead peer raises instead of hanging.
+        wait_limit_s: the longest a rank waits, outside collectives, for work one process per job or per node does
+            alone (data preparation, a download, rank 0 reading the weights, the export:
+            `distributed.run_on_main_process`); 0 = as long as it takes.
 
     Returns the `Accelerator` and the `Engine` it runs (`Engine.of`: what the YAML decided). Raises `RuntimeError`
     if the result is not the engine the launch named. A launch that names no ZeRO engine (plain DDP, or one
@@ -92,6 +97,7 @@ def build_accelerator(*, per_device_batch_size: int, gradient_accumulation_steps
     from accelerate import Accelerator, DistributedType, PartialState
     from accelerate.utils import DistributedDataParallelKwargs, GradientAccumulationPlugin, InitProcessGroupKwargs
 
+    distributed.set_wait_limit(wait_limit_s)
     launch = _launch_env()
     family = requested_engine_family()
     if family == "fsdp2" and launch["fsdp_version"] != 2:

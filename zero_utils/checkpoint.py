@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import socket
 import sys
+import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +28,58 @@ from zero_utils.checkpoint_storage import FORMAT_VERSION, list_complete, newest_
 from zero_utils.engine import Engine
 from zero_utils.errors import UserError
 from zero_utils.versions import software_versions
+
+JOB_TOKEN_FILE = ".zero_recipes_job"  # in --output_dir: this job's token, written by the main process
+SHARED_DIR_WAIT_S = 60.0  # NFS may hide a new file from another client this long (attribute caching, acdirmax 60 s)
+
+
+def check_output_dir_shared(accelerator, output_dir: str) -> None:
+    """Stop the job on every rank, before anything is built, when a node does not see the main process's
+    `output_dir` (a node-local disk): every rank writes its checkpoint shards there, and only the main process
+    creates a checkpoint's folders, so such a node would fail at its first save, after the training.
+
+    The main process writes a token unique to this job (a fresh UUID, sent to every rank through the process
+    group's store) into `output_dir/JOB_TOKEN_FILE`; each other node's local main process reads it back, retrying
+    for SHARED_DIR_WAIT_S. A file left there by an earlier job (on a node-local disk that reuses the path) holds
+    another token and does not pass. A `UserError` on every rank names the path and the fix. Waits are outside
+    collectives (`distributed.run_on_main_process`). Every rank must call it; a job on one node passes at once."""
+    if distributed.num_nodes(accelerator) == 1:
+        return
+
+    def write_token() -> str:
+        token = uuid.uuid4().hex
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        (Path(output_dir) / JOB_TOKEN_FILE).write_text(token + "\n")
+        return token
+
+    token = distributed.run_on_main_process(accelerator, write_token, share_result=True,
+                                            what="the main process writing --output_dir's job token")
+
+    def this_node_sees_it() -> None:
+        if accelerator.is_main_process or sees_job_token(Path(output_dir), token, SHARED_DIR_WAIT_S):
+            return
+        raise UserError(f"--output_dir {output_dir} is not shared: node {distributed.node_index(accelerator)} "
+                        f"({socket.gethostname()}) does not see the file the main process wrote there "
+                        f"({JOB_TOKEN_FILE}); checkpoints need a folder every node shares (NFS, Lustre, a shared "
+                        "mount): pass an --output_dir on a file system every node mounts.")
+
+    distributed.run_on_main_process(accelerator, this_node_sees_it, per_node=True,
+                                    what="every node checking that it sees --output_dir")
+
+
+def sees_job_token(folder: Path, token: str, wait_s: float, poll_s: float = 1.0) -> bool:
+    """Whether `folder/JOB_TOKEN_FILE` holds `token`, read again every `poll_s` until `wait_s` seconds have passed
+    (a network file system may show a new file late). Reads only."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            if (folder / JOB_TOKEN_FILE).read_text().strip() == token:
+                return True
+        except OSError:  # not there (yet)
+            pass
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll_s)
 
 
 def resolve_resume(output_dir: str, resume: str, overwrite: bool) -> Path | None:
@@ -76,8 +131,8 @@ def check_compatible(meta: dict, *, storage: checkpoint_storage.Storage, config_
 # Settings a resume may change without changing what is trained (where output goes, how often to save or log,
 # how long to train): any other setting that differs from the checkpoint's is reported when the run resumes.
 RUN_CONTROL_SETTINGS = ("resume", "overwrite", "max_steps", "output_dir", "report_to", "project", "group",
-                        "save_every", "keep_last", "eval_every", "collective_timeout_s", "async_save", "prompt",
-                        "max_new_tokens", "config", "device_memory", "fit_check", "num_proc")
+                        "save_every", "keep_last", "eval_every", "collective_timeout_s", "wait_limit_s", "async_save",
+                        "prompt", "max_new_tokens", "config", "device_memory", "fit_check", "num_proc")
 
 
 @dataclass(frozen=True)
@@ -106,8 +161,9 @@ class Checkpointer:
         checkpointer.export(f"{output_dir}/final")              # the newest checkpoint as a Hugging Face folder
 
     `resumed` says where a resumed run continues (for the tracker), None for a fresh run. Construct it on every
-    rank (reads only); every other method must be called by every rank at the same point. Background saves
-    (`async_save`) need DCP storage (DDP, FSDP2); under DeepSpeed saves are synchronous.
+    rank, before the model is built: on several nodes it checks that every node sees `output_dir`
+    (`check_output_dir_shared`); every other method must be called by every rank at the same point. Background
+    saves (`async_save`) need DCP storage (DDP, FSDP2); under DeepSpeed saves are synchronous.
     """
 
     def __init__(self, accelerator, engine: Engine, output_dir: str, *, resume: str, overwrite: bool,
@@ -117,6 +173,7 @@ class Checkpointer:
         self.storage = checkpoint_storage.storage_for(engine)
         self.use_async = async_save and self.storage.supports_async_save
         self.settings = settings
+        check_output_dir_shared(accelerator, output_dir)  # on several nodes: every node sees the same folder
         self.resume_from = resolve_resume(output_dir, resume, overwrite)
         self.resume_meta = read_metadata(self.resume_from) if self.resume_from else None
         self.resumed = (Resumed(self.resume_meta["step"], self.resume_meta.get("tracker_run_id"), self.resume_from)

@@ -1,5 +1,5 @@
 """Collective helpers every recipe needs: one reduction of a step's numbers, every rank's figures, work on the main
-process alone (outside the collective timeout), one parameter gathered whole.
+process (or each node's) alone while the others wait outside the collective timeout, one parameter gathered whole.
 
 Every function here must be called by every rank at the same point, unless its docstring says otherwise.
 This module is a bottom layer: it imports only zero_utils.errors.
@@ -34,26 +34,41 @@ def _every_rank(accelerator, values: list) -> torch.Tensor:
 
 
 _main_process_works = [0]  # calls of run_on_main_process so far: the same count on every rank
+_wait_limit_s = [0.0]  # --wait_limit_s (set_wait_limit): 0 = a rank waits as long as the work takes
+WAIT_LINE_EVERY_S = 60.0  # a waiting node says what it waits for this often
 
 
-def run_on_main_process(accelerator, work, *, poll_s: float = 1.0, share_result: bool = False,
-                        per_node: bool = False):
+def set_wait_limit(seconds: float) -> None:
+    """Bound every wait of `run_on_main_process` to `seconds` (the --wait_limit_s flag; 0 = no limit): a rank that
+    has waited longer stops with a `UserError` naming what it waited for. Call it once, on every rank, before the
+    first wait (`accelerator.build_accelerator` does)."""
+    _wait_limit_s[0] = float(seconds)
+
+
+def run_on_main_process(accelerator, work, *, what: str = "the main process's work", poll_s: float = 1.0,
+                        share_result: bool = False, per_node: bool = False):
     """Run `work()` on the main process alone while every other rank waits for it, for as long as it takes; with
-    `per_node`, on each node's local main process while the other ranks of its node wait for it.
+    `per_node`, on each node's local main process while every rank waits until every node's has finished.
 
-    Host-side work of one rank (data preparation: hours for a big corpus; the final export; a LoRA merge) must not
-    be bounded by the collective timeout (`--collective_timeout_s`): a rank waiting in a barrier or broadcast for
-    longer fails the job. The others therefore wait outside any collective, polling a key in the process group's
-    key-value store (the rendezvous TCPStore) every `poll_s` seconds at most. An exception on the main process
-    reaches every rank: a `UserError` with the same sentence, anything else as a `RuntimeError` naming it (the
-    main process re-raises the original), and the main process raises only once every other rank has read it (at
-    most `ACK_WAIT_S`): the store lives in the main process, so leaving first would turn the others' sentence into
-    a dead peer. If the main process dies instead, the launcher ends every rank.
-    Returns `work()`'s result on the main process and None on the others, or with `share_result` on every rank (it
-    must then be JSON-serialisable and small: it travels through the store). Every rank must call it. Engines: all.
+    Host-side work of one rank (data preparation: hours for a big corpus; reading a checkpoint; a download; the
+    final export; a LoRA merge) must not be bounded by the collective timeout (`--collective_timeout_s`): a rank
+    waiting in a barrier or broadcast for longer fails the job, and on several nodes a node that finishes its own
+    share first would wait in the next collective for the slowest. Every rank therefore waits outside any
+    collective, on every node, polling the process group's key-value store (the rendezvous TCPStore) every `poll_s`
+    seconds at most; each node's local main process prints every WAIT_LINE_EVERY_S what it is waiting for (`what`,
+    in words: "rank 0 reading the weights"), and a wait longer than `set_wait_limit`'s seconds (--wait_limit_s)
+    stops that rank with a `UserError`. When every rank returns, all of them are past the work: the next
+    collective waits on no one's work.
+
+    An exception in `work()` reaches every rank of every node: a `UserError` with the same sentence, anything else
+    as a `RuntimeError` naming it (the process that raised re-raises the original). The main process, which holds
+    the store, raises only once every other rank has read the failure (at most `ACK_WAIT_S`): leaving first would
+    turn the others' sentence into a dead peer. If a working process dies instead, the launcher ends every rank.
+    Returns `work()`'s result where it ran and None elsewhere, or with `share_result` on every rank (each rank
+    gets its own node's result with `per_node`; it must be JSON-serialisable and small: it travels through the
+    store). Every rank must call it. Engines: all.
     """
     import json
-    import time
 
     import torch.distributed as dist
 
@@ -62,37 +77,72 @@ def run_on_main_process(accelerator, work, *, poll_s: float = 1.0, share_result:
     _main_process_works[0] += 1
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     key = f"zero_recipes/main_process_work/{attempt}/{_main_process_works[0]}"
-    leader, waiting = accelerator.is_main_process, accelerator.num_processes
-    if per_node:  # the node is named by its local main process's global rank
-        key += f"/node{accelerator.process_index - accelerator.local_process_index}"
-        leader, waiting = accelerator.is_local_main_process, local_world_size(accelerator)
     store = dist.distributed_c10d._get_default_store()
+    nodes, node = (num_nodes(accelerator), node_index(accelerator)) if per_node else (1, 0)
+    leader = accelerator.is_local_main_process if per_node else accelerator.is_main_process
+    error = None
     if leader:
         try:
             result = work()
+            outcome = {"result": result} if share_result else {}
         except UserError as exc:
-            _tell_and_wait(store, key, {"user_error": str(exc)}, waiting)
-            raise
+            error, outcome = exc, {"user_error": str(exc)}
         except BaseException as exc:
-            _tell_and_wait(store, key, {"failed": f"{type(exc).__name__}: {exc}"}, waiting)
-            raise
-        store.set(key, json.dumps({"result": result} if share_result else {}))
+            error, outcome = exc, {"failed": f"{type(exc).__name__}: {exc}"}
+        store.set(f"{key}/node{node}", json.dumps(outcome))
+        if error is not None:
+            store.add(f"{key}/failures", 1)
+        store.add(f"{key}/done", 1)
+    elsewhere = "every node's local main process" if per_node else "the main process"
+    _wait_for_count(store, f"{key}/done", nodes, accelerator, f"{what} ({elsewhere})", poll_s)
+    if store.add(f"{key}/failures", 0):
+        failed = next(o for o in (json.loads(store.get(f"{key}/node{n}")) for n in range(nodes))
+                      if "user_error" in o or "failed" in o)
+        store.add(f"{key}/read", 1)
+        if accelerator.is_main_process:  # the store's host leaves last
+            _wait_for_reads(store, f"{key}/read", accelerator.num_processes)
+        if error is not None:
+            raise error
+        if "user_error" in failed:
+            raise UserError(failed["user_error"])
+        raise RuntimeError(f"{elsewhere} failed in work the other ranks waited for: {failed['failed']}")
+    if leader:
         return result
-    wait_s = 0.01
-    while not store.check([key]):
-        time.sleep(wait_s)
-        wait_s = min(2 * wait_s, poll_s)
-    outcome = json.loads(store.get(key))
-    if "user_error" in outcome or "failed" in outcome:
-        store.add(f"{key}/read", 1)  # the main process may now leave
-    if "user_error" in outcome:
-        raise UserError(outcome["user_error"])
-    if "failed" in outcome:
-        raise RuntimeError(f"the main process failed in work the other ranks waited for: {outcome['failed']}")
-    return outcome.get("result")
+    return json.loads(store.get(f"{key}/node{node}")).get("result") if share_result else None
 
 
 ACK_WAIT_S = 60.0
+
+
+def _wait_for_count(store, key: str, count: int, accelerator, what: str, poll_s: float) -> None:
+    """Poll the store until its counter `key` reaches `count` (a read: `add` of 0), backing off from 10 ms to
+    `poll_s`; a line every WAIT_LINE_EVERY_S from each node's local main process; `UserError` past the wait
+    limit."""
+    import time
+
+    start = time.monotonic()
+    next_line, wait_s, limit = start + WAIT_LINE_EVERY_S, 0.01, _wait_limit_s[0]
+    while store.add(key, 0) < count:
+        now = time.monotonic()
+        if limit and now - start > limit:
+            raise UserError(f"rank {accelerator.process_index} waited more than --wait_limit_s {limit:g} s for "
+                            f"{what}; raise --wait_limit_s (0 = no limit) if that work needs longer.")
+        if now >= next_line:
+            next_line += WAIT_LINE_EVERY_S
+            if accelerator.is_local_main_process:
+                print(f"[rank {accelerator.process_index}] waiting {(now - start) / 60:.0f} min for {what}"
+                      + (f" (--wait_limit_s {limit:g})" if limit else ""), flush=True)
+        time.sleep(wait_s)
+        wait_s = min(2 * wait_s, poll_s)
+
+
+def _wait_for_reads(store, key: str, world_size: int) -> None:
+    """Wait (at most ACK_WAIT_S) until every rank has counted itself in `key`."""
+    import time
+
+    deadline = time.monotonic() + ACK_WAIT_S
+    while store.add(key, 0) < world_size and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def count_over_ranks(accelerator, flag: bool) -> int:
@@ -112,15 +162,14 @@ def local_world_size(accelerator) -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
 
 
-def _tell_and_wait(store, key: str, outcome: dict, world_size: int) -> None:
-    """Publish a failure under `key`, then wait (at most ACK_WAIT_S) until every other rank has read it."""
-    import json
-    import time
+def num_nodes(accelerator) -> int:
+    """Nodes (machines) of the job: processes / processes per node (accelerate launches the same number on each)."""
+    return max(1, accelerator.num_processes // local_world_size(accelerator))
 
-    store.set(key, json.dumps(outcome))
-    deadline = time.monotonic() + ACK_WAIT_S
-    while store.add(f"{key}/read", 0) < world_size - 1 and time.monotonic() < deadline:
-        time.sleep(0.01)
+
+def node_index(accelerator) -> int:
+    """This process's node, 0 .. num_nodes - 1 (torchrun numbers ranks node by node)."""
+    return accelerator.process_index // local_world_size(accelerator)
 
 
 def reduce_step_values(accelerator, *, sums: dict[str, torch.Tensor | float],

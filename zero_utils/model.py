@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from zero_utils import distributed
 from zero_utils.deepspeed_setup import zero3_init_disabled
 from zero_utils.errors import UserError
 from zero_utils.hub import reaching
@@ -75,21 +76,25 @@ def load_causal_lm(name_or_path: str, *, accelerator=None, attn_implementation: 
                    trust_remote_code: bool = False, quantization_config=None, revision: str | None = None):
     """Build or load a `transformers` causal LM in fp32 (master weights; mixed precision casts for compute).
 
-    Returns the model, on CPU (pretrained weights at the Hub `revision`, if given). With only a config in a local
+    Returns the model, on CPU (pretrained weights at the Hub `revision`, if given; a Hub model is first downloaded
+    once per node, `download_once_per_node`). With only a config in a local
     folder the weights are randomly initialised from the current torch seed, whole on every rank, so every engine
     starts from the same weights (under DeepSpeed ZeRO-3, `zero.Init` would draw them partition by partition in
     another order: it is switched off for random init and stays on for pretrained weights). Engines: all.
 
     Under the engines that shard parameters, pretrained weights are read whole by rank 0 alone (DDP and ZeRO-1/2
     read them on every rank, which holds them whole anyway):
-    - FSDP2 with `fsdp_cpu_ram_efficient_loading: true` in the YAML: rank 0 reads the weights; every other rank
-      returns the model with its parameters on the meta device, and `wrapping.shard_model` broadcasts rank 0's
-      weights shard by shard. With `quantization_config` (QLoRA) every rank loads its own 4-bit copy instead.
+    - FSDP2 with `fsdp_cpu_ram_efficient_loading: true` in the YAML: rank 0 reads the weights while every other
+      rank waits outside collectives (`distributed.run_on_main_process`: reading 140 GB is not bounded by the
+      collective timeout), then returns the model with its parameters on the meta device, and
+      `wrapping.shard_model` broadcasts rank 0's weights shard by shard. With `quantization_config` (QLoRA)
+      every rank loads its own 4-bit copy instead.
     - DeepSpeed ZeRO-3 with `zero3_init_flag: true`: transformers builds the model partitioned under
       `deepspeed.zero.Init`, rank 0 reads the weights and each parameter is scattered as it is loaded.
     """
     from transformers import AutoModelForCausalLM
 
+    download_once_per_node(accelerator, name_or_path, revision)
     config = load_config(name_or_path, trust_remote_code, revision)
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
     local = _check_local(name_or_path)
@@ -107,7 +112,17 @@ def load_causal_lm(name_or_path: str, *, accelerator=None, attn_implementation: 
         # [QLoRA] Every rank quantizes its own copy while loading (4-bit: about a quarter of the bf16 bytes): a
         # quantized layer cannot be built empty on the meta device and filled by rank 0's broadcast afterwards.
         kwargs["quantization_config"] = quantization_config
-    elif loads_on_rank0_only(accelerator) and not accelerator.is_main_process:  # [FSDP2]
+    elif loads_on_rank0_only(accelerator):  # [FSDP2] rank 0 reads while the others wait outside any collective
+        def read_weights():
+            with reaching("--model", name_or_path, revision=revision):
+                return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32, use_safetensors=True,
+                                                            trust_remote_code=trust_remote_code,
+                                                            revision=revision or None, **kwargs)
+
+        model = distributed.run_on_main_process(accelerator, read_weights,
+                                                what=f"rank 0 reading the weights of --model {name_or_path}")
+        if accelerator.is_main_process:
+            return model
         from accelerate import init_empty_weights
 
         # Parameters on the meta device (no memory), buffers real: zero_utils.wrapping.shard_model materialises
@@ -121,6 +136,31 @@ def load_causal_lm(name_or_path: str, *, accelerator=None, attn_implementation: 
         return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32, use_safetensors=True,
                                                     trust_remote_code=trust_remote_code, revision=revision or None,
                                                     **kwargs)
+
+
+# What a causal LM's Hub repository holds that loading it needs (config, tokenizer, chat template, safetensors
+# weights, remote code); not .bin/.pt/.gguf weights or other formats.
+DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken", "*.py"]
+
+
+def download_once_per_node(accelerator, name_or_path: str, revision: str | None = None) -> None:
+    """Download a Hub model's files (DOWNLOAD_PATTERNS) into each node's Hugging Face cache once, before any rank
+    loads it: each node's local main process downloads while every rank of every node waits outside collectives
+    (`distributed.run_on_main_process(per_node=True)`; a 140 GB download is not bounded by the collective timeout,
+    and no rank starts a load, such as ZeRO-3's `zero.Init` broadcasts, while another node is still downloading).
+    Every later `from_pretrained` reads the node's cache. Nothing to do for a local folder or a single process.
+    Every rank must call it. Engines: all."""
+    if accelerator is None or accelerator.num_processes == 1 or _check_local(name_or_path) is not None:
+        return
+
+    def download() -> None:
+        from huggingface_hub import snapshot_download
+
+        with reaching("--model", name_or_path, revision=revision):
+            snapshot_download(name_or_path, revision=revision or None, allow_patterns=DOWNLOAD_PATTERNS)
+
+    distributed.run_on_main_process(accelerator, download, per_node=True,
+                                    what=f"the download of --model {name_or_path}")
 
 
 def loads_on_rank0_only(accelerator) -> bool:

@@ -17,6 +17,10 @@ Switched on by the environment:
     ZERO_RECIPES_HARNESS_SLOW_PREP_S     the first example tokenized in this process waits this long first
                                          (a data preparation of hours, in seconds)
     ZERO_RECIPES_HARNESS_SLOW_EXPORT_S   the final export waits this long first
+    ZERO_RECIPES_HARNESS_SLOW_RANK0_LOAD_S  rank 0's first `AutoModelForCausalLM.from_pretrained` waits this long
+                                         first (a 140 GB checkpoint read, in seconds)
+    ZERO_RECIPES_HARNESS_SHARED_DIR_WAIT_S  how long a node retries reading --output_dir's job token
+                                         (zero_utils.checkpoint.SHARED_DIR_WAIT_S, 60 s) before it gives up
     ZERO_RECIPES_HARNESS_VARLEN_PROBE=1  register the flash-attention stand-in `varlen_probe` (varlen_probe.py)
     ZERO_RECIPES_HARNESS_UNHASHABLE_TOKENIZER=1  the tokenizer holds a generator: `datasets` cannot hash it
     ZERO_RECIPES_HARNESS_RSS_PROBE=1     + "data_prep_rss_anon_bytes_per_rank": [before, peak during] the data
@@ -284,6 +288,15 @@ def main() -> None:
     if os.environ.get("ZERO_RECIPES_HARNESS_SLOW_EXPORT_S"):
         checkpoint_export.export = _slow_first_call(checkpoint_export.export,
                                                     float(os.environ["ZERO_RECIPES_HARNESS_SLOW_EXPORT_S"]))
+    if os.environ.get("ZERO_RECIPES_HARNESS_SLOW_RANK0_LOAD_S") and os.environ.get("RANK", "0") == "0":
+        from transformers import AutoModelForCausalLM
+
+        AutoModelForCausalLM.from_pretrained = _slow_first_call(
+            AutoModelForCausalLM.from_pretrained, float(os.environ["ZERO_RECIPES_HARNESS_SLOW_RANK0_LOAD_S"]))
+    if os.environ.get("ZERO_RECIPES_HARNESS_SHARED_DIR_WAIT_S"):
+        from zero_utils import checkpoint
+
+        checkpoint.SHARED_DIR_WAIT_S = float(os.environ["ZERO_RECIPES_HARNESS_SHARED_DIR_WAIT_S"])
     if os.environ.get("ZERO_RECIPES_HARNESS_VARLEN_PROBE") == "1":
         import varlen_probe
 
