@@ -13,7 +13,9 @@ Features, the flag that controls each, and its cost:
                 any source llama_zero3.py takes; the chat template as in SFT, loss on the final answer's tokens;
                 each answer with its prompt cut to --seq_len tokens, a pair whose answer keeps no token dropped
                 (both counted in the data line); a pair's two answers in one micro-batch, right-padded, never
-                packed (zero_utils/preference_data.py)
+                packed (zero_utils/preference_data.py); pairs tokenized once per job by --num_proc forked
+                processes into memory-mapped files, reused by a relaunch with the same data and settings
+                (zero_utils/prepared_pairs.py)
     loss        --loss sigmoid (DPO) | ipo | simpo, --beta (0 = the loss's default), --simpo_gamma, --sft_weight
                 (+ the chosen answers' NLL per token); the mean over the global batch's pairs, so processes and
                 accumulation never change the maths (zero_utils/preference_loss.py cites each paper)
@@ -72,6 +74,8 @@ class Settings:
     dataset_config: str = flag("", "configuration of a Hub data set")
     dataset_revision: str = flag("", "Hub revision (branch, tag or commit) of --dataset")
     columns: str = flag("", "rename columns, e.g. prompt=question,chosen=good,rejected=bad")
+    num_proc: int = flag(0, "processes that tokenize the pairs (0: the main process's CPUs, at most 8); same pairs "
+                         "for any", min=0)
     output_dir: str = flag("runs/llama_dpo", "where metrics, checkpoints and final/ go")
     loss: str = flag("sigmoid", "preference loss", choices=list(LOSSES))
     beta: float = flag(0.0, "loss temperature; 0 = the loss's default (sigmoid, ipo: 0.1; simpo: 2.0)", min=0.0)
@@ -142,11 +146,11 @@ def main(cfg: Settings) -> None:
 
     # ------------------------------------------------------------------------------ data
     tokenizer = load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code, revision=cfg.revision)
-    pairs = PreferenceData.prepare(  # tokenized once; sliced per step into this rank's micro-batches of pairs
+    pairs = PreferenceData.prepare(  # tokenized once per job and kept; sliced per step into micro-batches of pairs
         accelerator, tokenizer, model_config, columns=cfg.columns, seq_len=cfg.seq_len,
         dataset=DataSource(cfg.dataset, cfg.dataset_split, cfg.dataset_config, cfg.dataset_revision),
         eval_fraction=cfg.eval_fraction, seed=cfg.seed, per_device_batch_size=cfg.per_device_batch_size,
-        gradient_accumulation_steps=cfg.gradient_accumulation_steps)
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps, num_proc=cfg.num_proc)
     checkpointer.check(model_config, pairs.global_batch_pairs)  # an incompatible checkpoint fails here
 
     # ------------------------------------------------------------------------------ policy, parallelize, prepare

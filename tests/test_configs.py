@@ -82,10 +82,10 @@ def test_zero_utils_never_imports_recipes():
 LAYERS = [
     {"errors", "versions"},
     {"engine", "stop_signals", "distributed", "cli", "launcher", "attention", "sft_examples", "hub", "preference_loss"},
-    {"accelerator", "wrapping", "optim", "memory_formulas", "qlora", "packing", "data_sources"},
+    {"accelerator", "wrapping", "optim", "memory_formulas", "qlora", "packing", "data_sources", "preference_examples"},
     {"deepspeed_setup", "checkpoint_storage", "measurement", "evidence", "compare_report", "prepared_rows",
      "token_loss"},
-    {"model", "checkpoint_export", "data", "reference_model"},
+    {"model", "checkpoint_export", "data", "reference_model", "prepared_pairs"},
     {"parallelize", "memory_estimate", "checkpoint", "preference_data"},
     {"memory", "tracking", "fit_check"},
     {"compare"},

@@ -79,7 +79,7 @@ def tokenizer():
 
 
 def test_a_pair_is_two_sequences_with_loss_on_the_answers_only(tokenizer):
-    from zero_utils.preference_data import tokenize_pair
+    from zero_utils.preference_examples import tokenize_pair
     from zero_utils.sft_examples import IGNORE_INDEX
 
     pair = tokenize_pair(tokenizer, "Spell the word tiger.", "t-i-g-e-r", "tiger", 128)
@@ -92,7 +92,7 @@ def test_a_pair_is_two_sequences_with_loss_on_the_answers_only(tokenizer):
 
 
 def test_truncation_keeps_the_first_seq_len_tokens_and_drops_pairs_without_an_answer(tokenizer):
-    from zero_utils.preference_data import tokenize_pair
+    from zero_utils.preference_examples import tokenize_pair
     from zero_utils.sft_examples import IGNORE_INDEX
 
     whole = tokenize_pair(tokenizer, "Spell the word tiger.", "t-i-g-e-r " * 10, "tiger", 128)
@@ -104,13 +104,20 @@ def test_truncation_keeps_the_first_seq_len_tokens_and_drops_pairs_without_an_an
 
 
 def test_a_pairs_answers_share_a_micro_batch_chosen_rows_first(tokenizer):
-    from zero_utils.preference_data import PreferenceData, tokenize_pair
+    from datasets import Dataset
+
+    from zero_utils.preference_data import PreferenceData
+    from zero_utils.preference_examples import tokenize_pair
+    from zero_utils.sft_examples import IGNORE_INDEX
 
     raw = [("Spell the word tiger.", "t-i-g-e-r", "tiger"), ("Write the number 7 in words.", "seven", "7"),
            ("What color is snow?", "Snow is white.", "Snow is black."), ("Add 2 and 3.", "2 plus 3 is 5.", "23")]
     pairs = [tokenize_pair(tokenizer, *r, 64) for r in raw]
-    data = [PreferenceData(pairs, pairs[:3], {}, per_device_batch_size=1, gradient_accumulation_steps=2, seed=0,
-                           pad_token_id=3, rank=rank, world_size=2, device=torch.device("cpu")) for rank in (0, 1)]
+    stored = Dataset.from_list([{**p, "chosen_tokens": sum(x != IGNORE_INDEX for x in p["chosen_labels"]),
+                                 "tokens": len(p["chosen_ids"]) + len(p["rejected_ids"])} for p in pairs])
+    data = [PreferenceData(stored, stored.select(range(3)), {}, per_device_batch_size=1,
+                           gradient_accumulation_steps=2, seed=0, pad_token_id=3, rank=rank, world_size=2,
+                           device=torch.device("cpu")) for rank in (0, 1)]
     seen = []
     for rank_data in data:
         for micro in rank_data.step_batches(1).micro_batches:
@@ -126,7 +133,7 @@ def test_a_pairs_answers_share_a_micro_batch_chosen_rows_first(tokenizer):
 
 
 def test_a_set_without_pair_columns_names_the_ones_it_has():
-    from zero_utils.preference_data import pair_layout, parse_pair_columns
+    from zero_utils.preference_examples import pair_layout, parse_pair_columns
 
     with pytest.raises(UserError, match=r"has columns \['messages'\] but a preference set needs prompt, chosen and "
                                         r"rejected \(missing: prompt, chosen, rejected;"):
@@ -148,7 +155,7 @@ def assistant(text):
 def test_the_prompt_of_conversational_pairs_by_hand():
     """UltraFeedback-binarized (a prompt string, both lists starting with it), Anthropic HH (no prompt: the shared
     leading turns), a prompt given as messages with bare answers, and plain strings."""
-    from zero_utils.preference_data import pair_layout, split_pair
+    from zero_utils.preference_examples import pair_layout, split_pair
 
     ultrafeedback = {"prompt": "What is 2+2?", "chosen": [user("What is 2+2?"), assistant("4")],
                      "rejected": [user("What is 2+2?"), assistant("5")], "score_chosen": 9.0, "score_rejected": 2.0}
@@ -168,7 +175,7 @@ def test_the_prompt_of_conversational_pairs_by_hand():
 
 
 def test_a_conversational_pair_trains_only_its_final_answer(tokenizer):
-    from zero_utils.preference_data import tokenize_pair
+    from zero_utils.preference_examples import tokenize_pair
     from zero_utils.sft_examples import IGNORE_INDEX
 
     chosen = [user("Hi"), assistant("Hello!"), user("Capital of France?"), assistant("Paris.")]
@@ -201,6 +208,58 @@ def dpo_run(runs, session_root):
                     str(accumulation), recipe=DPO, config=config, num_processes=world,
                     mixed_precision=mixed_precision, env=env).check()
     return get
+
+
+# The bundled pairs' figures before the pairs were prepared once per job (every rank tokenized every pair in memory;
+# recorded with the code of e2e33a6): DDP, 2 processes, fp32, TODAY_ARGS. Steps 1-4 and the evals at steps 2 and 4.
+TODAY_ARGS = ("--max_steps", "4", "--warmup_steps", "2", "--eval_fraction", "0.05", "--eval_every", "2",
+              "--max_new_tokens", "0", "--report_to", "none", "--per_device_batch_size", "4", "--lr", "3e-4")
+TODAY = {"loss": [0.6931471824645996, 0.6655547320842743, 0.6509440541267395, 0.6582489013671875],
+         "eval_loss": [0.6468142867088318, 0.641472339630127],
+         "eval_reward_accuracy": [0.6600000262260437, 0.6299999952316284]}
+
+
+@pytest.fixture(scope="module")
+def prepared_twice(tmp_path_factory):
+    """TODAY_ARGS launched twice on one cold datasets cache, as a user relaunches: the first tokenizes with 2
+    worker processes, the second finds the pairs prepared."""
+    from conftest import isolated_env, launch
+
+    root = tmp_path_factory.mktemp("dpo-pairs")
+    env = isolated_env(root)
+    first = launch(root / "first", *TODAY_ARGS, "--num_proc", "2", recipe=DPO, config="ddp", mixed_precision="no",
+                   env=env).check()
+    again = launch(root / "again", *TODAY_ARGS, recipe=DPO, config="ddp", mixed_precision="no", env=env).check()
+    return first, again
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_pairs_are_tokenized_by_one_process_and_a_relaunch_reuses_them(prepared_twice):
+    """Rank 1 never calls the tokenizer and writes no file; rank 0 tokenized the 100 held-out pairs itself (its
+    2 workers the 1,900 train pairs) and wrote both files; the relaunch tokenizes nothing, says it reused the pairs
+    and trains to the same first loss."""
+    first, again = prepared_twice
+    calls = first.summary()["tokenizer_calls_in_data_prep_per_rank"]
+    assert calls[0] > 0 and calls[1] == 0, calls
+    assert first.summary()["data_cache_files_written_per_rank"] == [2, 0]
+    assert "(2 tokenizing processes)" in first.output and "pairs prepared in" in first.output
+    assert again.summary()["tokenizer_calls_in_data_prep_per_rank"] == [0, 0]
+    assert again.summary()["data_cache_files_written_per_rank"] == [0, 0]
+    assert "prepared pairs reused from" in again.output
+    assert again.metrics()[0]["loss"] == first.metrics()[0]["loss"]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_the_losses_are_those_of_the_in_memory_pairs_before(prepared_twice):
+    first, again = prepared_twice
+    for run in (first, again):
+        metrics = run.metrics()
+        assert [m["loss"] for m in metrics] == pytest.approx(TODAY["loss"], rel=1e-6)
+        evals = [m for m in metrics if "eval_loss" in m]
+        for key in ("eval_loss", "eval_reward_accuracy"):
+            assert [m[key] for m in evals] == pytest.approx(TODAY[key], rel=1e-6), key
 
 
 @pytest.fixture(scope="module")

@@ -1,25 +1,12 @@
 """A preference run's data: pairs of answers to one prompt, the chosen and the rejected, tokenized with the chat
-template as supervised fine-tuning does (zero_utils.sft_examples: loss on the answer's tokens only) and dealt to
-the ranks a global batch of pairs at a time.
-
-Layouts, detected from the columns and their values (`--columns prompt=question,chosen=good,rejected=bad` renames a
-data set's; other columns, such as scores, are ignored):
-
-    pairs                        prompt, chosen, rejected: strings
-    conversational               chosen, rejected: lists of chat messages; prompt: a string or messages, and the
-                                 lists may start with it (UltraFeedback-binarized stores [user, assistant])
-    conversational, shared turns chosen, rejected: lists of messages, no prompt column: the prompt is their shared
-                                 leading turns (as Anthropic HH stores them)
+template as supervised fine-tuning does (zero_utils.preference_examples: layouts, truncation, loss on the answer's
+tokens only), prepared once per job and kept (zero_utils.prepared_pairs: memory-mapped Arrow, reused by a relaunch),
+and dealt to the ranks a global batch of pairs at a time.
 
 Any source `--dataset` takes (zero_utils.data_sources); splits as for SFT: the data set's eval split, else
-`--eval_fraction` of the pairs held out.
-
-Truncation, one rule: each of a pair's two sequences (prompt + answer) is cut to its first `--seq_len` tokens, so a
-long answer loses its tail and a long prompt its answer; a pair in which either answer keeps no token (or has no
-turn of its own) is dropped.
-The data line counts both. Pairs are not packed: a micro-batch of b pairs is 2b rows, the b chosen sequences then
-the b rejected ones in the same order, right-padded to the longest with an attention mask, so a pair's two answers
-are always in the same micro-batch on the same rank and no token attends to another example.
+`--eval_fraction` of the pairs held out. Pairs are not packed: a micro-batch of b pairs is 2b rows, the b chosen
+sequences then the b rejected ones in the same order, right-padded to the longest with an attention mask, so a
+pair's two answers are always in the same micro-batch on the same rank and no token attends to another example.
 
 The loss of a step is the mean over the global batch's pairs, so `StepPairs` carries the global pair count and the
 global batch's chosen answer tokens (for `--sft_weight`), known on every rank without a collective.
@@ -33,100 +20,13 @@ from pathlib import Path
 import torch
 
 from zero_utils.data import MicroBatch, check_seq_len, global_batch_indices, pad_token_id_within, rank_rows
-from zero_utils.data_sources import DataSource, choose_splits, load_raw_dataset
+from zero_utils.data_sources import DataSource
 from zero_utils.errors import UserError
-from zero_utils.sft_examples import IGNORE_INDEX, parse_column_map, tokenize_example
+from zero_utils.preference_examples import parse_pair_columns
+from zero_utils.prepared_pairs import prepare_pairs
+from zero_utils.sft_examples import IGNORE_INDEX
 
-PAIR_COLUMNS = ("prompt", "chosen", "rejected")
 BUNDLED_PREFERENCES = str(Path(__file__).resolve().parent / "assets" / "dpo_tiny.jsonl")  # tools/make_assets.py
-
-
-def parse_pair_columns(spec: str) -> dict[str, str]:
-    """`--columns` ("prompt=question,chosen=good") -> {"prompt": "question", "chosen": "good"}."""
-    return parse_column_map(spec, PAIR_COLUMNS, "prompt=question,chosen=good,rejected=bad")
-
-
-LAYOUTS = ("pairs", "conversational", "conversational, shared turns")
-
-
-def pair_layout(column_names: list[str], first_row: dict, column_map: dict[str, str]) -> str:
-    """The layout (module docstring) of a preference set from its columns and first row; a `UserError` naming the
-    columns found when it has none of them."""
-    col = {c: column_map.get(c, c) for c in PAIR_COLUMNS}
-    has = {c: col[c] in column_names for c in PAIR_COLUMNS}
-    if has["chosen"] and has["rejected"]:
-        conversational = isinstance(first_row[col["chosen"]], list)
-        if has["prompt"]:
-            return "conversational" if conversational else "pairs"
-        if conversational:
-            return "conversational, shared turns"
-    missing = [c for c in PAIR_COLUMNS if not has[c]]
-    raise UserError(f"the dataset has columns {sorted(column_names)} but a preference set needs prompt, chosen and "
-                    f"rejected (missing: {', '.join(missing)}; chosen and rejected as chat messages may leave the "
-                    "prompt out); name yours with --columns, e.g. --columns prompt=question,chosen=good,rejected=bad.")
-
-
-def _messages(value, role: str) -> list[dict]:
-    return [{"role": role, "content": value}] if isinstance(value, str) else \
-        [{"role": m["role"], "content": m["content"]} for m in value]
-
-
-def split_pair(prompt, chosen, rejected) -> tuple[list[dict], list[dict], list[dict]] | None:
-    """(prompt messages, chosen answer messages, rejected answer messages) of one pair in any layout. A string
-    prompt is one user turn and a string answer one assistant turn; answers that start with the prompt's messages
-    have them removed; without a prompt (None) the prompt is the turns both answers start with. None when an answer
-    has no turn of its own."""
-    chosen, rejected = _messages(chosen, "assistant"), _messages(rejected, "assistant")
-    if prompt is None:
-        shared = 0
-        while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
-            shared += 1
-        prompt_messages = chosen[:shared]
-    else:
-        prompt_messages = _messages(prompt, "user")
-    answers = [answer[len(prompt_messages):] if answer[:len(prompt_messages)] == prompt_messages else answer
-               for answer in (chosen, rejected)]
-    if not prompt_messages or not all(answers):
-        return None
-    return prompt_messages, *answers
-
-
-def tokenize_pair(tokenizer, prompt, chosen, rejected, seq_len: int) -> dict | None:
-    """One pair (strings or chat messages, `split_pair`) as two token sequences with shifted labels (IGNORE_INDEX
-    off the answer), each cut to `seq_len` tokens; None when an answer keeps no token. Keys: chosen_ids,
-    chosen_labels, rejected_ids, rejected_labels (lists of ints) and truncated (bool)."""
-    split = split_pair(prompt, chosen, rejected)
-    if split is None:
-        return None
-    prompt_messages, *answers = split
-    pair, truncated = {}, False
-    for name, answer in zip(("chosen", "rejected"), answers, strict=True):
-        example = tokenize_example(tokenizer, prompt_messages + answer, train_from=len(prompt_messages))
-        ids, labels = example["input_ids"], example["labels"]
-        if len(ids) > seq_len:
-            truncated = True
-            ids, labels = ids[:seq_len], labels[:seq_len - 1] + [IGNORE_INDEX]  # the last target lies beyond
-        if all(label == IGNORE_INDEX for label in labels):
-            return None
-        pair[f"{name}_ids"], pair[f"{name}_labels"] = ids, labels
-    return {**pair, "truncated": truncated}
-
-
-def tokenize_pairs(tokenizer, raw, column_map: dict[str, str], seq_len: int, layout: str) -> tuple[list[dict], dict]:
-    """Every pair of `raw` (a `datasets.Dataset` of `layout`) tokenized: (pairs, {"pairs", "truncated",
-    "dropped"})."""
-    pairs, truncated, dropped = [], 0, 0
-    names = PAIR_COLUMNS if layout != "conversational, shared turns" else PAIR_COLUMNS[1:]
-    columns = [column_map.get(c, c) for c in names]
-    for row in raw.select_columns(columns):
-        values = [row[c] for c in columns]
-        pair = tokenize_pair(tokenizer, *([None] if len(values) == 2 else []), *values, seq_len)
-        if pair is None:
-            dropped += 1
-            continue
-        truncated += pair.pop("truncated")
-        pairs.append(pair)
-    return pairs, {"pairs": len(pairs), "truncated": truncated, "dropped": dropped}
 
 
 @dataclass
@@ -140,18 +40,20 @@ class StepPairs:
 
 
 class PreferenceData:
-    """A preference run's pairs, tokenized once, sliced per optimizer step into this rank's micro-batches of
+    """A preference run's pairs, prepared once per job (`prepared_pairs.prepare_pairs`: the main process tokenizes,
+    the other ranks open its memory-mapped files), sliced per optimizer step into this rank's micro-batches of
     `per_device_batch_size` pairs (global batch = pairs per device x accumulation x processes, in the data order of
-    `data.global_batch_indices`). Every rank tokenizes every pair (the main process loads the files first).
+    `data.global_batch_indices`).
 
         data = PreferenceData.prepare(accelerator, tokenizer, model_config, dataset=..., seq_len=..., ...)
         batches = data.step_batches(step)      # this rank's micro-batches, the global pair and chosen-token counts
         for micro, weights in data.eval_batches(): ...   # weights: 1 per held-out pair, 0 for filler pairs
-    Engines: all."""
+    `train`, `evaluation`: `datasets.Dataset`s with a row per pair (chosen_ids, chosen_labels, rejected_ids,
+    rejected_labels, chosen_tokens, tokens); evaluation may be None. Engines: all."""
 
     ignore_index = IGNORE_INDEX
 
-    def __init__(self, train: list[dict], evaluation: list[dict], info: dict, *, per_device_batch_size: int,
+    def __init__(self, train, evaluation, info: dict, *, per_device_batch_size: int,
                  gradient_accumulation_steps: int, seed: int, pad_token_id: int, rank: int, world_size: int, device):
         self.train, self.evaluation, self.info = train, evaluation, info
         self.per_device_batch_size = per_device_batch_size
@@ -163,36 +65,22 @@ class PreferenceData:
             raise UserError(f"the training data has {len(train)} pairs, fewer than one global batch "
                             f"({self.global_batch_pairs} = pairs per device x accumulation x processes); use more "
                             "data or a smaller batch.")
-        self._chosen_tokens = torch.tensor([sum(label != IGNORE_INDEX for label in p["chosen_labels"]) for p in train])
-        lengths = [len(p["chosen_ids"]) + len(p["rejected_ids"]) for p in train]
-        self.tokens_per_step = round(sum(lengths) / len(lengths) * self.global_batch_pairs)  # mean, unpadded
+        self._chosen_tokens = torch.as_tensor(train.data.column("chosen_tokens").to_numpy(), dtype=torch.long)
+        lengths = train.data.column("tokens").to_numpy()
+        self.tokens_per_step = round(float(lengths.sum()) / len(lengths) * self.global_batch_pairs)  # mean, unpadded
 
     @classmethod
     def prepare(cls, accelerator, tokenizer, model_config, *, dataset: DataSource, columns: str, seq_len: int,
-                eval_fraction: float, seed: int, per_device_batch_size: int,
-                gradient_accumulation_steps: int) -> PreferenceData:
-        """Load `dataset` (the main process first: it converts the files once), check its columns, hold out the
-        eval pairs and tokenize both splits on every rank."""
+                eval_fraction: float, seed: int, per_device_batch_size: int, gradient_accumulation_steps: int,
+                num_proc: int = 0) -> PreferenceData:
+        """Check the flags, then prepare the pairs once per job (or reuse them: `prepared_pairs.prepare_pairs`;
+        every other rank waits outside collectives and opens them). `num_proc`: processes that tokenize (0 = the
+        main process's CPUs, at most 8; the same pairs for any value)."""
         check_seq_len(seq_len, model_config.max_position_embeddings)
         column_map = parse_pair_columns(columns)
-        with accelerator.main_process_first():
-            raw = load_raw_dataset(dataset)
-        train_split, eval_split = choose_splits(raw, dataset)
-        train_raw, eval_raw = raw[train_split], raw[eval_split] if eval_split else None
-        if len(train_raw) == 0:
-            raise UserError(f"--dataset {dataset.name!r} has no rows in its {train_split!r} split.")
-        layout = pair_layout(train_raw.column_names, train_raw[0], column_map)
-        if eval_raw is None and eval_fraction > 0:
-            held_out = train_raw.train_test_split(test_size=eval_fraction, seed=seed)
-            train_raw, eval_raw = held_out["train"], held_out["test"]
-            eval_split = f"{eval_fraction:g} of {train_split!r} held out"
-        elif eval_split:
-            eval_split = repr(eval_split)
-        train, train_counts = tokenize_pairs(tokenizer, train_raw, column_map, seq_len, layout)
-        evaluation, eval_counts = tokenize_pairs(tokenizer, eval_raw, column_map, seq_len, layout) \
-            if eval_raw is not None else ([], {"pairs": 0, "truncated": 0, "dropped": 0})
-        info = {"layout": f"preference pairs ({layout})", "train_split": repr(train_split), "eval_split": eval_split,
-                "train": train_counts, "eval": eval_counts, "seq_len": seq_len}
+        train, evaluation, info = prepare_pairs(accelerator, tokenizer, dataset, seq_len=seq_len,
+                                                eval_fraction=eval_fraction, seed=seed, column_map=column_map,
+                                                num_proc=num_proc)
         return cls(train, evaluation, info, per_device_batch_size=per_device_batch_size,
                    gradient_accumulation_steps=gradient_accumulation_steps, seed=seed,
                    pad_token_id=pad_token_id_within(tokenizer, model_config.vocab_size),
@@ -200,7 +88,7 @@ class PreferenceData:
 
     @property
     def has_eval(self) -> bool:
-        return bool(self.evaluation)
+        return self.evaluation is not None and len(self.evaluation) > 0
 
     def step_batches(self, step: int) -> StepPairs:
         """This rank's micro-batches of optimizer step `step` (1-based) and the global batch's counts."""
@@ -242,6 +130,12 @@ class PreferenceData:
         notes = [f"{counts[k] + info['eval'][k]} pairs {what}" for k, what in
                  (("truncated", "truncated"), ("dropped", "dropped (an answer kept no token)"))
                  if counts[k] + info["eval"][k]]
+        line += f" ({', '.join(notes)})" if notes else ""
+        nodes, processes = info.get("nodes_with_own_rows"), info.get("tokenizing_processes", 1)
+        where = f" (and the same pairs by the local main process of {nodes} node(s) with their own datasets cache)" \
+            if nodes else ""
+        by = f" ({processes} tokenizing processes)" if processes > 1 else ""
+        line += (f"; prepared pairs reused from {info['folder']}{where}" if info.get("reused")
+                 else f"; pairs prepared in {info['folder']}{by}{where}" if info.get("folder") else "")
         return (f"micro-batch {self.per_device_batch_size} pairs x accumulation {self.gradient_accumulation_steps} x "
-                f"{self.world_size} = global batch {self.global_batch_pairs} pairs\n"
-                + line + (f" ({', '.join(notes)})" if notes else ""))
+                f"{self.world_size} = global batch {self.global_batch_pairs} pairs\n" + line)

@@ -1,4 +1,6 @@
 """Training rows prepared once per job, in bounded memory, and kept: load -> format -> tokenize -> pack -> Arrow.
+(zero_utils.prepared_pairs prepares preference pairs with the same machinery: `prepare_once`, `prepared_folder`,
+`forked_map`.)
 
 The main process prepares; every other rank opens the result by its path and never tokenizes (it waits outside
 the collective timeout, `distributed.run_on_main_process`). Preparation streams: the raw dataset (memory-mapped
@@ -115,22 +117,36 @@ def prepare_rows(accelerator, tokenizer, dataset: DataSource | str, *, seq_len: 
         return _prepare(tokenizer, dataset, seq_len, eval_fraction, seed, column_map, pad_token_id, root,
                         num_proc or default_num_proc())
 
-    prepared = distributed.run_on_main_process(accelerator, prepare, share_result=True)
+    return prepare_once(accelerator, prepare, open_rows, root, what="the data preparation")
 
-    def on_this_node():  # a node without the main process's rows (no shared file system) makes its own
-        if sees_rows_of_main_process(root, Path(prepared["folder"])):
+
+def prepare_once(accelerator, prepare, open_folder, cache_root: Path, *, what: str):
+    """Run `prepare()` (-> {"folder": a prepared folder under `cache_root`, "reused": bool}, JSON-able) once per job
+    on the main process while every other rank waits outside collectives, then on the local main process of each
+    node that does not see that folder (`sees_rows_of_main_process`: no shared file system, or a `datasets` cache of
+    the node's own), which prepares the same folder (the same key) while every rank waits again; then every rank
+    opens its node's folder: `open_folder(folder)` -> (train, eval or None, info). Returns that, with info's
+    "reused", "prepared_on" ("main" or "node"), "nodes_with_own_rows" (how many nodes prepared their own) and
+    "cache_files_written" (the split files this rank wrote: 0 off the preparing process and on reuse). Every rank
+    must call it. Engines: all."""
+    prepared = distributed.run_on_main_process(accelerator, prepare, share_result=True,
+                                               what=f"{what} (the main process)")
+
+    def on_this_node():  # a node without the main process's folder (no shared file system) makes its own
+        if sees_rows_of_main_process(cache_root, Path(prepared["folder"])):
             return {**prepared, "where": "main"}
         return {**prepare(), "where": "node"}  # the same key: the same rows, or the ones this node kept
 
-    here = distributed.run_on_main_process(accelerator, on_this_node, share_result=True, per_node=True)
-    train, evald, info = open_rows(Path(here["folder"]))
+    here = distributed.run_on_main_process(accelerator, on_this_node, share_result=True, per_node=True,
+                                           what=f"{what} (nodes without the main process's folder)")
     wrote = not here["reused"] and (accelerator.is_main_process if here["where"] == "main"
                                     else accelerator.is_local_main_process)
     other_nodes = distributed.count_over_ranks(accelerator, here["where"] == "node" and
                                                accelerator.is_local_main_process)
-    return train, evald, {**info, "reused": here["reused"], "prepared_on": here["where"],
-                          "nodes_with_own_rows": other_nodes,
-                          "cache_files_written": (1 + (evald is not None)) if wrote else 0}
+    train, evaluation, info = open_folder(Path(here["folder"]))
+    return train, evaluation, {**info, "reused": here["reused"], "prepared_on": here["where"],
+                               "nodes_with_own_rows": other_nodes,
+                               "cache_files_written": (1 + (evaluation is not None)) if wrote else 0}
 
 
 def sees_rows_of_main_process(cache_root: Path, main_folder: Path) -> bool:
@@ -152,41 +168,59 @@ def _prepare(tokenizer, dataset, seq_len, eval_fraction, seed, column_map, pad_t
                   "columns": column_map or {}, "layout": layout,
                   "tokenizer": tokenizer_fingerprint(tokenizer), "seq_len": seq_len, "pad_token_id": pad_token_id,
                   "eval_fraction": eval_fraction, "seed": seed, "packer": PACKER_VERSION}
-    folder = cache_root / rows_key(depends_on)
-    if (folder / "info.json").is_file():
-        return {"folder": str(folder), "reused": True}
-    eval_raw = raw[eval_split] if eval_split else None
-    if eval_raw is None and eval_fraction > 0:
-        if len(train_raw) < 2:
-            raise UserError(f"--dataset {source.name!r} has {len(train_raw)} example(s): too few to hold out "
-                            "an eval split; add data or pass --eval_fraction 0.")
-        split = train_raw.train_test_split(test_size=eval_fraction, seed=seed)
-        train_raw, eval_raw = split["train"], split["test"]
-        eval_split = f"{eval_fraction:g} of {train_split!r} held out"
-    elif eval_split:
-        eval_split = repr(eval_split)
-    if num_proc > 1 and not can_fork():
-        print(f"--num_proc {num_proc}: this platform cannot fork worker processes (they inherit the tokenizer); "
-              "tokenizing in this process alone (--num_proc 1).")
-        num_proc = 1
-    tmp = folder.parent / f".tmp_{folder.name}_{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    info = {"layout": layout, "chat_template": bool(tokenizer.chat_template), "depends_on": depends_on,
-            "train_split": repr(train_split), "eval_split": eval_split}
-    info["tokenizing_processes"] = _tokenizing_processes(train_raw, num_proc)
-    try:
+
+    def write(tmp: Path) -> dict:
+        nonlocal train_raw
+        eval_raw, eval_split_text = raw[eval_split] if eval_split else None, repr(eval_split) if eval_split else None
+        if eval_raw is None and eval_fraction > 0:
+            if len(train_raw) < 2:
+                raise UserError(f"--dataset {source.name!r} has {len(train_raw)} example(s): too few to hold out "
+                                "an eval split; add data or pass --eval_fraction 0.")
+            split = train_raw.train_test_split(test_size=eval_fraction, seed=seed)
+            train_raw, eval_raw = split["train"], split["test"]
+            eval_split_text = f"{eval_fraction:g} of {train_split!r} held out"
+        processes = working_processes(num_proc)
+        info = {"layout": layout, "chat_template": bool(tokenizer.chat_template), "train_split": repr(train_split),
+                "eval_split": eval_split_text, "tokenizing_processes": _tokenizing_processes(train_raw, processes)}
         for name, split_raw in (("train", train_raw), ("eval", eval_raw)):
             info[name] = _pack_split(split_raw, name, tokenizer, layout, column_map, seq_len, pad_token_id, tmp,
-                                     num_proc) if split_raw is not None else \
+                                     processes) if split_raw is not None else \
                 {"examples": 0, "rows": 0, "truncated": 0, "split_documents": 0, "max_token_id": 0}
         if info["train"]["rows"] == 0:
             raise UserError(f"--dataset {source.name!r} yields no trainable tokens after formatting; "
                             "check its columns and contents.")
+        return info
+
+    return prepared_folder(cache_root, depends_on, write)
+
+
+def working_processes(num_proc: int) -> int:
+    """`num_proc`, or 1 (with a line saying so) on a platform that cannot fork workers."""
+    if num_proc > 1 and not can_fork():
+        print(f"--num_proc {num_proc}: this platform cannot fork worker processes (they inherit the tokenizer); "
+              "tokenizing in this process alone (--num_proc 1).")
+        return 1
+    return num_proc
+
+
+def prepared_folder(cache_root: Path, depends_on: dict, write) -> dict:
+    """The folder `cache_root/rows_key(depends_on)`: reused when complete (its info.json exists), else made:
+    `write(tmp)` fills a temporary folder beside it and returns the info, written last to info.json (with
+    `depends_on`), then the folder is renamed into place. An error or Ctrl-C leaves no half-written folder; an
+    incomplete one left by a killed preparation is replaced; another job on this machine that finished the same
+    folder first keeps its own (the same). Returns {"folder", "reused"}."""
+    folder = cache_root / rows_key(depends_on)
+    if (folder / "info.json").is_file():
+        return {"folder": str(folder), "reused": True}
+    tmp = folder.parent / f".tmp_{folder.name}_{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        info = write(tmp)
     except BaseException:  # an error, or Ctrl-C: no half-written folder stays behind
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    (tmp / "info.json").write_text(json.dumps(info, indent=1) + "\n")  # last: the folder is complete
+    (tmp / "info.json").write_text(json.dumps({**info, "depends_on": depends_on}, indent=1) + "\n")  # last
     if not (folder / "info.json").is_file():
         shutil.rmtree(folder, ignore_errors=True)  # an incomplete one, left by a killed preparation
     try:
@@ -210,52 +244,61 @@ def _tokenize_chunk(chunk: dict, tokenizer, layout: str, column_map) -> list[tup
     return [(t["input_ids"], t["labels"]) for t in tokens]
 
 
-_worker_args: tuple = ()  # a worker process's (tokenizer, layout, column_map), inherited from its parent
+_worker_work = None  # a worker process's work, inherited from its parent (fork): any closure, never pickled
 
 
-def _start_worker(tokenizer, layout, column_map) -> None:
-    global _worker_args
-    _worker_args = (tokenizer, layout, column_map)
+def _start_worker(work) -> None:
+    global _worker_work
+    _worker_work = work
 
 
-def _tokenize_in_worker(chunk: dict) -> list[tuple[array, array]]:
-    """A worker's chunk of examples -> their tokens as int32 arrays: 4 bytes a token to send back and to hold while
-    waiting to be packed (a Python int list costs about 36)."""
-    return [(array("i", ids), array("i", labels)) for ids, labels in _tokenize_chunk(chunk, *_worker_args)]
+def _work_in_worker(chunk):
+    return _worker_work(chunk)
 
 
-def _as_lists(future):
-    """The examples of a worker's finished chunk, each (input_ids, labels) as lists again."""
-    for ids, labels in future.result():
-        yield ids.tolist(), labels.tolist()
-
-
-def _token_stream(split_raw, tokenizer, layout, column_map, num_proc: int):
-    """Each example's (input_ids, labels), in the split's order, tokenized CHUNK_EXAMPLES examples at a time. With
-    num_proc > 1 (and a split of PARALLEL_MIN_EXAMPLES or more, which pays for the workers) num_proc forked worker
-    processes tokenize the chunks while this process packs the ones already done, in order; at most 2 x num_proc
-    chunks are in flight, so memory stays bounded whatever the split's size. A worker that dies (killed for
-    memory) stops the preparation with a `UserError` rather than hanging the job."""
-    chunks = split_raw.iter(batch_size=CHUNK_EXAMPLES)
-    if _tokenizing_processes(split_raw, num_proc) == 1:
+def forked_map(chunks, work, num_proc: int):
+    """`work(chunk)` of each chunk, in order: in this process (num_proc 1), or by num_proc forked worker processes
+    while this process consumes the results already done; at most 2 x num_proc chunks are in flight, so memory stays
+    bounded whatever the number of chunks. The workers inherit `work` (a closure over the tokenizer: nothing but the
+    chunks and the results, which should be compact, such as int32 arrays, is pickled). A worker that dies (killed
+    for memory) stops the preparation with a `UserError` naming --num_proc rather than hanging the job."""
+    if num_proc <= 1:
         for chunk in chunks:
-            yield from _tokenize_chunk(chunk, tokenizer, layout, column_map)
+            yield work(chunk)
         return
     pool = ProcessPoolExecutor(num_proc, mp_context=multiprocessing.get_context("fork"),
-                               initializer=_start_worker, initargs=(tokenizer, layout, column_map))
+                               initializer=_start_worker, initargs=(work,))
     in_flight = deque()
     try:
         for chunk in chunks:
-            in_flight.append(pool.submit(_tokenize_in_worker, chunk))
+            in_flight.append(pool.submit(_work_in_worker, chunk))
             if len(in_flight) == 2 * num_proc:
-                yield from _as_lists(in_flight.popleft())
+                yield in_flight.popleft().result()
         while in_flight:
-            yield from _as_lists(in_flight.popleft())
+            yield in_flight.popleft().result()
     except BrokenProcessPool:
         raise UserError(f"a --num_proc {num_proc} worker process died while tokenizing (killed for lack of memory?); "
                         "pass a lower --num_proc, or 1.") from None
     finally:
         pool.shutdown(cancel_futures=True)
+
+
+def _token_stream(split_raw, tokenizer, layout, column_map, num_proc: int):
+    """Each example's (input_ids, labels), in the split's order, tokenized CHUNK_EXAMPLES examples at a time
+    (`forked_map`: with num_proc > 1 and a split of PARALLEL_MIN_EXAMPLES or more, which pays for the workers, by
+    num_proc forked processes while this one packs). A worker sends its chunk's tokens back as int32 arrays: 4 bytes
+    a token to send and to hold while waiting to be packed (a Python int list costs about 36)."""
+    processes = _tokenizing_processes(split_raw, num_proc)
+
+    def work(chunk):
+        tokens = _tokenize_chunk(chunk, tokenizer, layout, column_map)
+        return tokens if processes == 1 else [(array("i", ids), array("i", labels)) for ids, labels in tokens]
+
+    for done in forked_map(split_raw.iter(batch_size=CHUNK_EXAMPLES), work, processes):
+        if processes == 1:
+            yield from done
+        else:
+            yield from ((ids.tolist(), labels.tolist()) for ids, labels in done)
 
 
 def _pack_split(split_raw, name, tokenizer, layout, column_map, seq_len, pad_token_id, folder: Path,

@@ -6,7 +6,8 @@ tests/conftest.py's `launch` runs every recipe through it. What it always adds, 
 `tracker.write_summary` (a point every rank reaches with the trained model still live):
     summary.json  + "sharding_per_rank" (zero_utils.evidence.sharding_evidence of each rank),
                   + "first_step_rows_per_rank" (the data rows each rank trained on in its first step),
-                  + "data_cache_files_written_per_rank" (row files each rank wrote: the main one only, 0 on reuse)
+                  + "data_cache_files_written_per_rank" (row or pair files each rank wrote: the main one only, 0 on
+                    reuse)
                   + "tokenizer_calls_in_data_prep_per_rank" (the tokenizer's calls until the data was ready)
     probe_logits.safetensors  fp32 logits at the last position of --prompt (exports are checked against them)
 Switched on by the environment:
@@ -144,7 +145,7 @@ def _attach_probes() -> None:
     (TrainingData: its rows and `info`; RunMeasurements: the accelerator, the prepared model and optimizer), and
     `TrainingData.rows_of_step` is the one place a step's rows are chosen. Subclasses record them; no function's
     positional arguments are unpacked here."""
-    from zero_utils import checkpoint_storage, data, measurement, model, tracking
+    from zero_utils import checkpoint_storage, data, measurement, model, preference_data, tracking
 
     load_tokenizer = model.load_tokenizer
 
@@ -171,6 +172,12 @@ def _attach_probes() -> None:
             rows = super().rows_of_step(indices)
             _seen.setdefault("first_step_rows", sum(rows, []))
             return rows
+
+    class RecordedPreferenceData(preference_data.PreferenceData):  # recipes/llama_dpo.py's pairs
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            _seen["data"] = self
+            _seen["tokenizer_calls_in_data_prep"] = _seen["tokenizer_calls"][0]
 
     class RecordedMeasurements(measurement.RunMeasurements):
         def __init__(self, *args, **kwargs):
@@ -209,6 +216,7 @@ def _attach_probes() -> None:
         reference_model.ReferenceModel.hold = classmethod(probed_hold)
     model.load_tokenizer = recorded_tokenizer
     data.TrainingData = RecordedData
+    preference_data.PreferenceData = RecordedPreferenceData
     measurement.RunMeasurements = RecordedMeasurements
     write_summary = tracking.RunTracker.write_summary
 
@@ -262,7 +270,7 @@ def _evidence() -> dict:
         "first_step_rows_per_rank": gather_object([_seen.get("first_step_rows", [])]),
         "sharding_per_rank": gather_object([evidence.sharding_evidence(model, optimizer)]),
         "data_cache_files_written_per_rank": gather_object([_seen["data"].info["cache_files_written"]
-                                                            if "data" in _seen else None]),  # SFT data only
+                                                            if "data" in _seen else None]),  # SFT rows, DPO pairs
         "tokenizer_calls_in_data_prep_per_rank": gather_object([_seen.get("tokenizer_calls_in_data_prep")]),
         "reference_probe_per_rank": gather_object([_seen["reference_probe"]]) if "reference_probe" in _seen else None,
         "data_prep_rss_anon_bytes_per_rank": gather_object([_seen.get("data_prep_rss_anon")]),
