@@ -9,9 +9,17 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
+# Variables a user's shell or cluster often sets that change what the tests see: the suite runs as CI runs it
+# whatever the caller set (a test, or `isolated_env` for launched runs, sets what it needs). Removed here, before
+# anything imports huggingface_hub (which reads HF_HUB_OFFLINE once, at import), and kept out of every test by the
+# autouse fixture `without_the_callers_variables`.
+CALLER_VARIABLES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "WANDB_MODE", "TOKENIZERS_PARALLELISM")
+for _name in CALLER_VARIABLES:
+    os.environ.pop(_name, None)
 
-from zero_utils.launcher import accelerate_launch_command, config_file, free_port
+import pytest  # noqa: E402
+
+from zero_utils.launcher import accelerate_launch_command, config_file, free_port  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "accelerate_configs"
@@ -81,6 +89,14 @@ def launch(output_dir: Path, *recipe_args: str, config: str | None = None, num_p
                                     launch_args=launch_args)
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     return Run(proc.returncode, proc.stdout, proc.stderr, output_dir)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def without_the_callers_variables():
+    with pytest.MonkeyPatch.context() as patch:
+        for name in CALLER_VARIABLES:
+            patch.delenv(name, raising=False)
+        yield
 
 
 @pytest.fixture(scope="session")

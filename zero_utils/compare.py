@@ -34,10 +34,8 @@ from pathlib import Path
 from zero_utils import launcher
 from zero_utils.compare_report import load_run, log_summary_run, markdown_table, write_report
 from zero_utils.errors import UserError
+from zero_utils.shipped import shipped
 
-REPO = Path(__file__).resolve().parent.parent
-CONFIG_DIR = REPO / "accelerate_configs"
-DEFAULT_RECIPE = REPO / "recipes" / "llama_zero3.py"
 SET_BY_COMPARE = ("--output_dir", "--report_to", "--project", "--group", "--max_steps")
 
 
@@ -48,9 +46,9 @@ def resolve_config(name: str) -> tuple[str, Path]:
         if not path.is_file():
             raise UserError(f"config file {name!r} does not exist; pass a path to an accelerate YAML or a name.")
         return path.stem, path.resolve()
-    path = CONFIG_DIR / f"{name}.yaml"
+    path = launcher.config_file(name)
     if not path.is_file():
-        names = " ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
+        names = " ".join(sorted(p.stem for p in path.parent.glob("*.yaml")))
         raise UserError(f"unknown config {name!r}; use one of: {names} (or a path to an accelerate YAML).")
     return name, path
 
@@ -142,7 +140,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max_steps", type=int, default=20, metavar="S", help="optimizer steps per run (default: 20)")
     p.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], help="passed to accelerate launch "
                    "(default: what each YAML says)")
-    p.add_argument("--recipe", default=str(DEFAULT_RECIPE),
+    p.add_argument("--recipe", default=str(shipped("recipes") / "llama_zero3.py"),
                    help="the recipe every config runs (default: this repository's recipes/llama_zero3.py)")
     p.add_argument("--report_to", default="wandb", help="wandb (offline without an API key) or none")
     p.add_argument("--project", default="zero-recipes", help="W&B project (default: %(default)s)")
@@ -192,7 +190,8 @@ def _run_all(args, recipe_args: list[str], output_dir: Path, group: str, mode: s
     for run_dir in run_dirs:
         if not args.overwrite and run_dir.is_dir() and any(run_dir.iterdir()):
             raise UserError(f"{run_dir} already holds a run; pass --overwrite or another --output_dir.")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    here = str(Path(__file__).resolve().parent.parent)  # the folder this zero_utils is imported from: the runs use it
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))}
     if mode:
         env["WANDB_MODE"] = mode
     recipe_args = recipe_args + (["--overwrite"] if args.overwrite else [])

@@ -4,7 +4,7 @@
 order, then the script and its flags. `shown_command` turns that list into the line a user types. `free_port` gives
 each launch a rendezvous port of its own: launches that share accelerate's default 29500 (two test sessions, or a
 test and a run by hand) join each other's rendezvous.
-Bottom layer: no zero_utils imports.
+Imports only zero_utils.shipped (where the YAMLs are).
 """
 
 from __future__ import annotations
@@ -14,15 +14,17 @@ import socket
 import sys
 from pathlib import Path
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "accelerate_configs"
+from zero_utils.shipped import shipped
+
 # `python -m` of this module is `accelerate launch` run by a chosen interpreter (the console script may belong to
 # another environment).
 LAUNCH_MODULE = "accelerate.commands.launch"
 
 
 def config_file(name: str) -> Path:
-    """The shipped accelerate YAML `accelerate_configs/<name>.yaml` (no check that it exists)."""
-    return CONFIG_DIR / f"{name}.yaml"
+    """The shipped accelerate YAML `accelerate_configs/<name>.yaml` (no check that it exists), wherever the package
+    was installed from (`shipped.shipped`)."""
+    return shipped("accelerate_configs") / f"{name}.yaml"
 
 
 def free_port() -> int:
