@@ -300,3 +300,118 @@ def test_recipe_reads_as_components(recipe):
               and "[LoRA]" in line]
     assert all(any(re.search(rf"\b{name}\b", line) for line in marked) for name in extra), (extra, marked)
     assert len(extra) <= 3
+
+
+# ---------------------------------------------------------------------------------------------- README and docs/
+README_MAX_LINES = 250
+# Flags the docs name that belong to other tools: torchrun and SLURM's launch, pytest, pip, trl (compared against).
+OTHER_TOOLS_FLAGS = {"--nnodes", "--nproc_per_node", "--max_restarts", "--nodes", "--durations", "--no-deps",
+                     "--no-build-isolation", "--no-index", "--target", "--quiet", "--dry-run", "--report",
+                     "--force-reinstall", "--index-url", "--extra-index-url", "--upgrade", "--only-binary",
+                     "--platform", "--python-version", "--dest", "--user", "--basetemp", "--collect-only",
+                     "--junitxml", "--maxfail", "--lf", "--per_device_train_batch_size"}
+
+
+def _docs_pages() -> list[Path]:
+    return sorted((REPO / "docs").glob("*.md"))
+
+
+def _recipe_settings() -> dict[str, type]:
+    """{recipe file name: its Settings dataclass}, read without running the recipe."""
+    import runpy
+
+    return {path.name: runpy.run_path(str(path), run_name="flags")["Settings"]
+            for path in sorted((REPO / "recipes").glob("*.py"))}
+
+
+def _cli_flags() -> set[str]:
+    """Every `--flag` an argparse parser of this repository declares (zero_utils, benchmarks, tools), read from the
+    source, and from the module CLIs' own parsers; every recipe flag (and its --no- form); every `accelerate launch`
+    option from accelerate's own parser."""
+    from accelerate.commands.launch import launch_command_parser
+
+    flags = set()
+    for path in [*REPO.glob("zero_utils/*.py"), *REPO.glob("benchmarks/*.py"), *REPO.glob("tools/*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument":
+                flags |= {a.value for a in node.args if isinstance(a, ast.Constant) and str(a.value).startswith("--")}
+    for settings in _recipe_settings().values():
+        for name, field in settings.__dataclass_fields__.items():
+            flags |= {f"--{name}"} | ({f"--no-{name}"} if field.type in (bool, "bool") else set())
+    flags |= {"--config", "--help"}
+    from zero_utils import compare, memory, recipe_copy
+
+    for parser in (launch_command_parser(), memory._parser(), compare._parser(), recipe_copy._parser()):
+        flags |= {o for action in parser._actions for o in action.option_strings}  # flags made in loops too
+    return flags
+
+
+def test_readme_is_short_and_links_every_docs_page():
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.splitlines()) <= README_MAX_LINES, len(readme.splitlines())
+    unlinked = [p.name for p in _docs_pages() if f"](docs/{p.name})" not in readme]
+    assert not unlinked, f"README links no {unlinked}"
+
+
+def test_every_flag_the_docs_name_exists():
+    """A `--flag` in README or docs/ belongs to a recipe, a zero_utils / benchmarks / tools command, `accelerate
+    launch`, or the short list of other tools' flags: a renamed or removed flag cannot stay in the docs."""
+    import re
+
+    known = _cli_flags() | OTHER_TOOLS_FLAGS
+    unknown = []
+    for path in [REPO / "README.md", *_docs_pages()]:
+        for flag in sorted(set(re.findall(r"(?<![\w-])--[a-z][a-z0-9_-]*[a-z0-9]", path.read_text()))):
+            if flag not in known:
+                unknown.append(f"{path.relative_to(REPO)}: {flag}")
+    assert not unknown, unknown
+
+
+def _readme_commands() -> list[list[str]]:
+    """The README's fenced shell commands, continuation lines joined, comments dropped, split as a shell does."""
+    import re
+    import shlex
+
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", (REPO / "README.md").read_text(), flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            tokens = shlex.split(line, comments=True)
+            while "&&" in tokens:  # `cd DEST && accelerate launch ...`: the part after the last &&
+                tokens = tokens[tokens.index("&&") + 1:]
+            if tokens:
+                commands.append(tokens)
+    return commands
+
+
+def test_readme_commands_parse_their_flags(capsys):
+    """Every fenced `accelerate launch ... <recipe>.py` in README parses its launcher options with accelerate's own
+    parser and its recipe flags with the recipe's (a --config preset included), and every `python -m
+    zero_utils...` command with its module's parser: in process, nothing runs."""
+    from accelerate.commands.launch import launch_command_parser
+
+    from zero_utils import memory, recipe_copy
+    from zero_utils.cli import parse_settings
+    from zero_utils.compare import _parser as compare_parser
+
+    settings = _recipe_settings()
+    checked = []
+    for tokens in _readme_commands():
+        if tokens[:2] == ["accelerate", "launch"]:
+            script = next(i for i, t in enumerate(tokens) if t.endswith(".py"))
+            launch_command_parser().parse_args([*tokens[2:script], "recipe.py"])  # exits on an unknown option
+            parse_settings(settings[Path(tokens[script]).name], tokens[script + 1:])
+            checked.append(Path(tokens[script]).name)
+        elif tokens[:3] == ["python", "-m", "zero_utils.memory"]:
+            memory._parser().parse_args(tokens[3:])
+            checked.append("zero_utils.memory")
+        elif tokens[:3] == ["python", "-m", "zero_utils.compare"]:
+            split = tokens.index("--") if "--" in tokens else len(tokens)
+            args, rest = compare_parser().parse_known_args(tokens[3:split])
+            assert not rest, rest
+            parse_settings(settings["llama_zero3.py"], tokens[split + 1:])  # after --: the default recipe's
+            checked.append("zero_utils.compare")
+        elif tokens[0] == "zero-recipes" or tokens[:3] == ["python", "-m", "zero_utils"]:
+            recipe_copy._parser().parse_args(tokens[1:] if tokens[0] == "zero-recipes" else tokens[3:])
+            checked.append("zero-recipes")
+    assert {"llama_zero3.py", "llama_lora.py", "llama_dpo.py", "zero_utils.memory", "zero_utils.compare",
+            "zero-recipes"} <= set(checked), checked

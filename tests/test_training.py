@@ -1,4 +1,4 @@
-"""Training behaviour: learning happens on the bundled data, and the README's default-config launch is FSDP2.
+"""Training behaviour: learning happens on the bundled data, and the default-config launch of docs/ENGINES.md is FSDP2.
 (That world size, accumulation and the engine change nothing in the mathematics: tests/test_zero_math.py.)"""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def test_learning_on_the_bundled_data(runs):
 
 
 def test_default_config_makes_the_bare_launch_fsdp2(session_root):
-    """The README's way of making fsdp2.yaml the default accelerate config works."""
+    """docs/ENGINES.md's way of making fsdp2.yaml the default accelerate config works."""
     root = session_root / "default-config"
     env = isolated_env(root)
     (root / "hf_home" / "accelerate").mkdir(parents=True)
