@@ -20,6 +20,7 @@ import sys
 import typing
 from pathlib import Path
 
+from zero_utils.data_mixture import check_mixture, parse_mixture
 from zero_utils.errors import UserError
 
 # Keys of an accelerate config file, owned by the accelerate YAML and never by a recipe's --config file: the fields
@@ -81,13 +82,23 @@ def parse_settings(settings_cls, argv=None, description: str | None = None):
     if config_path:
         from_file = _flags_from_yaml(config_path, settings_cls)
         _check_file_values(parser, settings_cls, from_file, config_path)  # a bad value there names the file
+        if f"--dataset={config_path}" in from_file and "--dataset" in _given(argv):
+            raise UserError(f"--dataset and the dataset_mixture of {config_path} both name the data; give one.")
         argv = from_file + argv
     args = parser.parse_args(argv)
     del args.config
     problem = _below_min(settings_cls, args)
     if problem:
         parser.error(problem)
+    if hasattr(args, "dataset"):  # a mixture, checked here on every rank before any collective
+        given = _given(argv)
+        check_mixture(args.dataset, {name.removeprefix("--") for name in given}, "--eval_fraction" in given)
     return settings_cls(**vars(args))
+
+
+def _given(tokens: list[str]) -> set[str]:
+    """The flags named in `tokens` (`--name` or `--name=value`)."""
+    return {t.split("=", 1)[0] for t in tokens if t.startswith("--")}
 
 
 def _config_path(argv: list[str]) -> str | None:
@@ -124,6 +135,12 @@ def _flags_from_yaml(path: str, settings_cls) -> list[str]:
     fields = {f.name for f in dataclasses.fields(settings_cls)}
     hints = typing.get_type_hints(settings_cls)
     tokens = []
+    tokens_first = []
+    if "dataset_mixture" in values and "dataset" in fields:  # alignment-handbook's key: the file is the data
+        if "dataset" in values:
+            raise UserError(f"{path} sets both dataset and dataset_mixture; keep one.")
+        parse_mixture(values.pop("dataset_mixture"), path)  # its problems named now, as the file's
+        tokens_first = [f"--dataset={path}"]
     for key, value in values.items():
         if key not in fields:
             if key in ENGINE_KEYS:
@@ -142,7 +159,7 @@ def _flags_from_yaml(path: str, settings_cls) -> list[str]:
             tokens.append(f"--{key}" if value else f"--no-{key}")
         else:
             tokens.append(f"--{key}={value}")  # one token, so that a value starting with "-" stays a value
-    return tokens
+    return tokens_first + tokens
 
 
 def _check_file_values(parser: argparse.ArgumentParser, settings_cls, tokens: list[str], path: str) -> None:
