@@ -99,3 +99,84 @@ def test_a_mixture_in_config_and_a_dataset_is_refused(tmp_path, settings):
     with pytest.raises(UserError, match=r"sets both dataset and dataset_mixture; keep one"):
         parse_settings(settings, ["--config", str(tmp_path / "both.yaml")])
     assert check_mixture("data.jsonl", {"dataset_split"}, True) is None  # one source: nothing to check
+
+
+# ---------------------------------------------------------------------------------------------- prepared rows
+def write_alpaca(path, count: int):
+    import json
+
+    path.write_text(json.dumps([{"instruction": f"Repeat the number {i}.", "input": "", "output": f"{i}"}
+                                for i in range(count)]))
+    return path
+
+
+def mixture_file(tmp_path, name: str, sources: list[tuple[str, float, str]], seed: int = 42, test: float = 0.1):
+    lines = ["dataset_mixture:", "  datasets:"]
+    for path, weight, split in sources:
+        lines += [f"    - id: {path}", f"      weight: {weight}", f"      split: {split}"]
+    lines += [f"  seed: {seed}", f"  test_split_size: {test}"]
+    (tmp_path / name).write_text("\n".join(lines) + "\n")
+    return mixture_in_file(str(tmp_path / name))
+
+
+def test_a_mixture_is_prepared_once_with_each_sources_draw_and_a_key_of_its_own(tmp_path):
+    """Bundled chat messages (weight 0.75 of 4,000) and an Alpaca file (0.25 of 400): int(weight x available)
+    examples each, both layouts in one set of rows, each source's share of the tokens; a second preparation reuses
+    the rows; another weight, source, split or seed prepares others."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from zero_utils.data import BUNDLED_DATASET
+    from zero_utils.model import BUNDLED_MODEL
+    from zero_utils.prepared_mixture import prepare_mixture_rows
+
+    tokenizer = AutoTokenizer.from_pretrained(BUNDLED_MODEL)
+    alpaca = write_alpaca(tmp_path / "alpaca.json", 400)
+
+    def prepare(mixture):
+        return prepare_mixture_rows(SimpleNamespace(is_main_process=True, num_processes=1), tokenizer, mixture,
+                                    seq_len=128, eval_fraction=0.0, pad_token_id=0, cache_root=tmp_path / "rows",
+                                    num_proc=1)
+
+    base = [(BUNDLED_DATASET, 0.75, "train"), (str(alpaca), 0.25, "train")]
+    train, evaluation, info = prepare(mixture_file(tmp_path, "m.yaml", base))
+    sources = info["sources"]
+    assert [(s["examples_used"], s["examples_available"]) for s in sources] == [(3000, 4000), (100, 400)]
+    assert info["train_examples"] + info["eval_examples"] == 3100 and info["eval_examples"] == 310
+    assert all(s["tokens"] > 0 for s in sources) and sum(s["token_share"] for s in sources) == pytest.approx(1)
+    assert len(train) > 0 and evaluation is not None and not info["reused"]
+    assert prepare(mixture_file(tmp_path, "again.yaml", base))[2]["reused"]
+    (tmp_path / "other.json").write_text(alpaca.read_text())
+    changed = [[(BUNDLED_DATASET, 0.5, "train"), base[1]],  # a weight
+               [base[0], (str(tmp_path / "other.json"), 0.25, "train")]]  # a source
+    folders = {prepare(mixture_file(tmp_path, f"c{i}.yaml", c))[2]["folder"] for i, c in enumerate(changed)}
+    folders.add(prepare(mixture_file(tmp_path, "seed.yaml", base, seed=1))[2]["folder"])  # the seed
+    with pytest.raises(UserError, match="no split 'validation'|'validation'"):  # a split: another key, or absent
+        prepare(mixture_file(tmp_path, "split.yaml", [base[0], (str(alpaca), 0.25, "validation")]))
+    assert len(folders | {info["folder"]}) == 4
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_mixture_trains_under_fsdp2_and_a_relaunch_reuses_its_rows(tmp_path):
+    """The bundled chat messages (0.75) and an Alpaca file (0.25) as one --dataset mixture, FSDP2 on 2 ranks:
+    summary.json names both sources and their shares, the data line too; a relaunch reuses the rows (2 launches)."""
+    from conftest import isolated_env, launch
+
+    from zero_utils.data import BUNDLED_DATASET
+
+    alpaca = write_alpaca(tmp_path / "alpaca.json", 400)
+    mixture_file(tmp_path, "mix.yaml", [(BUNDLED_DATASET, 0.75, "train"), (str(alpaca), 0.25, "train")])
+    env = isolated_env(tmp_path)
+    args = ("--dataset", str(tmp_path / "mix.yaml"), "--max_steps", "3", "--seq_len", "128", "--max_new_tokens", "0",
+            "--report_to", "none", "--per_device_batch_size", "2")
+    first = launch(tmp_path / "first", *args, config="fsdp2", mixed_precision="no", env=env).check()
+    again = launch(tmp_path / "again", *args, config="fsdp2", mixed_precision="no", env=env).check()
+    sources = first.summary()["data"]["sources"]
+    assert [(s["id"], s["examples_used"], s["examples_available"]) for s in sources] == [
+        (BUNDLED_DATASET, 3000, 4000), (str(alpaca), 100, 400)]
+    assert all(0 < s["token_share"] < 1 for s in sources) and first.summary()["steps"] == 3
+    assert "alpaca.json (train): 100 of 400 examples" in first.output
+    assert again.summary()["data"]["reused"] and "prepared rows reused from" in again.output
+    assert again.metrics()[0]["loss"] == first.metrics()[0]["loss"]

@@ -35,8 +35,10 @@ from pathlib import Path
 import torch
 
 from zero_utils import attention, prepared_rows
+from zero_utils.data_mixture import mixture_in_file
 from zero_utils.data_sources import DataSource
 from zero_utils.errors import UserError
+from zero_utils.prepared_mixture import prepare_mixture_rows
 from zero_utils.sft_examples import IGNORE_INDEX, parse_column_map
 
 BUNDLED_DATASET = str(Path(__file__).resolve().parent / "assets" / "sft_tiny.jsonl")
@@ -132,6 +134,9 @@ def describe(info: dict, seq_len: int) -> str:
     nodes = info.get("nodes_with_own_rows")
     where = f" (and the same rows by the local main process of {nodes} node(s) with their own datasets cache)" \
         if nodes else ""
+    if info.get("sources"):  # a mixture: each source's examples used of available, and share of the tokens
+        line += "; " + ", ".join(f"{s['id']} ({s['split']}): {s['examples_used']} of {s['examples_available']} "
+                                 f"examples, {s['token_share']:.0%} of the tokens" for s in info["sources"])
     processes = info.get("tokenizing_processes", 1)
     by = f" ({processes} tokenizing processes)" if processes > 1 else ""
     return line + (f"; prepared rows reused from {info['folder']}{where}" if info.get("reused")
@@ -221,11 +226,16 @@ class TrainingData:
         # with the examples' offsets passed to its varlen kernel; any other implementation is refused here.
         path = attention.packing_path(attn_implementation)
         check_seq_len(seq_len, model_config.max_position_embeddings)  # before tokenizing anything
-        train_rows, eval_rows, info = prepared_rows.prepare_rows(
-            accelerator, tokenizer, dataset, seq_len=seq_len, eval_fraction=eval_fraction, seed=seed,
-            column_map=parse_column_map(columns),
-            pad_token_id=pad_token_id_within(tokenizer, model_config.vocab_size),  # an id inside the embedding
-            num_proc=num_proc)
+        pad_token_id = pad_token_id_within(tokenizer, model_config.vocab_size)  # an id inside the embedding
+        mixture = mixture_in_file(dataset.name if isinstance(dataset, DataSource) else dataset)
+        if mixture is not None:  # several weighted sources (zero_utils.data_mixture)
+            train_rows, eval_rows, info = prepare_mixture_rows(
+                accelerator, tokenizer, mixture, seq_len=seq_len, eval_fraction=eval_fraction,
+                pad_token_id=pad_token_id, num_proc=num_proc)
+        else:
+            train_rows, eval_rows, info = prepared_rows.prepare_rows(
+                accelerator, tokenizer, dataset, seq_len=seq_len, eval_fraction=eval_fraction, seed=seed,
+                column_map=parse_column_map(columns), pad_token_id=pad_token_id, num_proc=num_proc)
         check_token_ids(tokenizer, info["max_token_id"], model_config.vocab_size)
         return cls(train_rows, eval_rows, info, seq_len=seq_len, per_device_batch_size=per_device_batch_size,
                    gradient_accumulation_steps=gradient_accumulation_steps, seed=seed, attention_path=path,

@@ -183,9 +183,11 @@ def _prepare(tokenizer, dataset, seq_len, eval_fraction, seed, column_map, pad_t
         info = {"layout": layout, "chat_template": bool(tokenizer.chat_template), "train_split": repr(train_split),
                 "eval_split": eval_split_text, "tokenizing_processes": _tokenizing_processes(train_raw, processes)}
         for name, split_raw in (("train", train_raw), ("eval", eval_raw)):
-            info[name] = _pack_split(split_raw, name, tokenizer, layout, column_map, seq_len, pad_token_id, tmp,
-                                     processes) if split_raw is not None else \
-                {"examples": 0, "rows": 0, "truncated": 0, "split_documents": 0, "max_token_id": 0}
+            info[name] = pack_rows(
+                ((ids, labels, 0) for ids, labels in _token_stream(split_raw, tokenizer, layout, column_map,
+                                                                    processes)),
+                len(split_raw), name, seq_len, pad_token_id, tmp, split_long=[layout == "text"]) \
+                if split_raw is not None else EMPTY_SPLIT
         if info["train"]["rows"] == 0:
             raise UserError(f"--dataset {source.name!r} yields no trainable tokens after formatting; "
                             "check its columns and contents.")
@@ -301,10 +303,15 @@ def _token_stream(split_raw, tokenizer, layout, column_map, num_proc: int):
             yield from ((ids.tolist(), labels.tolist()) for ids, labels in done)
 
 
-def _pack_split(split_raw, name, tokenizer, layout, column_map, seq_len, pad_token_id, folder: Path,
-                num_proc: int = 1) -> dict:
-    """Tokenize (`_token_stream`: in num_proc processes) and pack one split in one sequential pass, WRITE_TOKENS
-    tokens of rows at a time; write `<folder>/<name>.arrow`. Returns its counts."""
+EMPTY_SPLIT = {"examples": 0, "rows": 0, "truncated": 0, "split_documents": 0, "max_token_id": 0}
+
+
+def pack_rows(stream, total: int, name: str, seq_len: int, pad_token_id: int, folder: Path,
+              split_long: list[bool]) -> dict:
+    """Pack one split's tokenized examples (`stream` of (input_ids, labels, source): `source` indexes `split_long`,
+    whether that source's long examples are split into windows, as documents are, instead of truncated) in one
+    sequential pass, WRITE_TOKENS tokens of rows at a time; write `<folder>/<name>.arrow`. `total`: the examples,
+    for the progress bar. Returns its counts, with "tokens_per_source" (tokens tokenized, per source)."""
     import numpy as np
     import pyarrow
     from datasets import Features, Sequence, Value
@@ -340,16 +347,19 @@ def _pack_split(split_raw, name, tokenizer, layout, column_map, seq_len, pad_tok
         count = 0
         pool.release_unused()  # Arrow's allocator keeps freed blocks: give them back, or they grow with the corpus
 
-    with tqdm(total=len(split_raw), unit="ex", desc=f"tokenize and pack {name} to {seq_len}") as progress:
-        for input_ids, labels in _token_stream(split_raw, tokenizer, layout, column_map, num_proc):
+    tokens_per_source = [0] * len(split_long)
+    with tqdm(total=total, unit="ex", desc=f"tokenize and pack {name} to {seq_len}") as progress:
+        for input_ids, labels, source in stream:
             max_token_id = max(max_token_id, max(input_ids, default=0))
-            write(packer.add(input_ids, labels, split_long=layout == "text"))
+            tokens_per_source[source] += len(input_ids)
+            write(packer.add(input_ids, labels, split_long=split_long[source]))
             progress.update(1)
     write(packer.finish(), final=True)
     writer.finalize()
     writer.close()
     return {"examples": packer.examples, "rows": packer.rows, "truncated": packer.truncated,
-            "split_documents": packer.split_documents, "max_token_id": max_token_id}
+            "split_documents": packer.split_documents, "max_token_id": max_token_id,
+            "tokens_per_source": tokens_per_source}
 
 
 def open_rows(folder: Path):
@@ -373,4 +383,6 @@ def open_rows(folder: Path):
                "split_documents": info["train"]["split_documents"] + info["eval"]["split_documents"],
                "max_token_id": max(info["train"]["max_token_id"], info["eval"]["max_token_id"]),
                "tokenizing_processes": info.get("tokenizing_processes", 1)}
+    if info.get("sources"):  # a mixture (zero_utils.prepared_mixture): each source's share
+        summary["sources"] = info["sources"]
     return train, evald, summary
