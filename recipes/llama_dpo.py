@@ -178,7 +178,8 @@ def main(cfg: Settings) -> None:
 
     run_config = {**asdict(cfg), "engine": engine.name, "world_size": world, "num_params": num_params, "beta": beta,
                   "optimizer_param_groups": param_groups, "mixed_precision": accelerator.mixed_precision,
-                  "global_batch_pairs": pairs.global_batch_pairs, **fit.summary()}
+                  "global_batch_pairs": pairs.global_batch_pairs, **fit.summary(),
+                  "data_sources": pairs.info.get("sources")}  # a mixture's sources and shares
     tracker = tracking.RunTracker(accelerator, cfg.output_dir, cfg.report_to, cfg.project, config=run_config,
                                   run_name=f"{engine}-{world}x-{cfg.loss}", group=cfg.group or None,
                                   resumed=checkpointer.resumed)

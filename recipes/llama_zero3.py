@@ -174,7 +174,8 @@ def main(cfg: Settings) -> None:
     token_losses = TokenLosses(model, cfg.loss_chunk_tokens, train_data.ignore_index, accelerator)  # chunked head
     run_config = {**asdict(cfg), "engine": engine.name, "world_size": world, "num_params": num_params,
                   "optimizer_param_groups": param_groups, "mixed_precision": accelerator.mixed_precision,
-                  "global_batch_rows": train_data.global_batch_rows, **fit.summary()}
+                  "global_batch_rows": train_data.global_batch_rows, **fit.summary(),
+                  "data_sources": train_data.info.get("sources")}  # a mixture's sources and shares
     tracker = tracking.RunTracker(accelerator, cfg.output_dir, cfg.report_to, cfg.project, config=run_config,
                                   run_name=f"{engine}-{world}x", group=cfg.group or None,
                                   resumed=checkpointer.resumed)  # a resumed run continues its W&B run

@@ -180,3 +180,58 @@ def test_a_mixture_trains_under_fsdp2_and_a_relaunch_reuses_its_rows(tmp_path):
     assert "alpaca.json (train): 100 of 400 examples" in first.output
     assert again.summary()["data"]["reused"] and "prepared rows reused from" in again.output
     assert again.metrics()[0]["loss"] == first.metrics()[0]["loss"]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_the_dpo_recipe_trains_on_a_mixture_of_two_pair_files(tmp_path):
+    """The bundled pairs (weight 0.5) and a renamed copy of 300 of them (question/good/bad, weight 2: each pair
+    twice): DDP on 2 ranks, step 1 at ln 2, summary.json names both sources (1 launch)."""
+    import json
+    import math
+
+    from conftest import isolated_env, launch
+
+    from zero_utils.preference_data import BUNDLED_PREFERENCES
+
+    rows = [json.loads(line) for line in open(BUNDLED_PREFERENCES)][:300]
+    (tmp_path / "renamed.jsonl").write_text("".join(json.dumps({"question": r["prompt"], "good": r["chosen"],
+                                                                "bad": r["rejected"]}) + "\n" for r in rows))
+    (tmp_path / "pairs.yaml").write_text(
+        f"dataset_mixture:\n  datasets:\n    - id: {BUNDLED_PREFERENCES}\n      weight: 0.5\n"
+        f"    - id: {tmp_path / 'renamed.jsonl'}\n      columns: {{prompt: question, chosen: good, rejected: bad}}\n"
+        "      weight: 2.0\n  seed: 3\n  test_split_size: 50\n")
+    run = launch(tmp_path / "dpo", "--dataset", str(tmp_path / "pairs.yaml"), "--max_steps", "2", "--max_new_tokens",
+                 "0", "--report_to", "none", "--per_device_batch_size", "2", recipe="recipes/llama_dpo.py",
+                 config="ddp", mixed_precision="no", env=isolated_env(tmp_path)).check()
+    summary = run.summary()
+    assert [(s["examples_used"], s["examples_available"]) for s in summary["data"]["sources"]] == [(1000, 2000),
+                                                                                                   (600, 300)]
+    assert summary["data"]["eval"]["pairs"] == 50 and run.metrics()[0]["loss"] == pytest.approx(math.log(2))
+    assert "renamed.jsonl (train): 600 of 300 pairs" in run.output
+
+
+def test_a_source_the_recipe_cannot_train_is_one_sentence(tmp_path):
+    """A pair set in an SFT mixture, and a chat set in a DPO mixture: each ends in the one sentence the single
+    --dataset gets, naming the columns found, before anything is tokenized."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from zero_utils.data import BUNDLED_DATASET
+    from zero_utils.model import BUNDLED_MODEL
+    from zero_utils.preference_data import BUNDLED_PREFERENCES
+    from zero_utils.prepared_mixture import prepare_mixture_rows
+    from zero_utils.prepared_pairs import prepare_pairs
+
+    one = SimpleNamespace(is_main_process=True, num_processes=1)
+    tokenizer = AutoTokenizer.from_pretrained(BUNDLED_MODEL)
+    both = mixture_file(tmp_path, "both.yaml", [(BUNDLED_DATASET, 0.5, "train"), (BUNDLED_PREFERENCES, 0.5, "train")])
+    with pytest.raises(UserError, match=r"chosen.*rejected|rejected.*chosen") as sft:
+        prepare_mixture_rows(one, tokenizer, both, seq_len=128, eval_fraction=0, pad_token_id=0,
+                             cache_root=tmp_path / "rows", num_proc=1)
+    with pytest.raises(UserError, match=r"a preference set needs prompt, chosen and rejected") as dpo:
+        prepare_pairs(one, tokenizer, str(tmp_path / "both.yaml"), seq_len=128, eval_fraction=0, seed=0,
+                      column_map={}, cache_root=tmp_path / "pairs", num_proc=1)
+    assert "\n" not in str(sft.value) + str(dpo.value)
+    assert not list((tmp_path / "rows").glob("*")) and not list((tmp_path / "pairs").glob("*"))  # nothing written

@@ -148,3 +148,23 @@ def data_fingerprint(source: DataSource, raw) -> dict:
         return {"files": [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files]}
     return {"hub": source.name, "config": source.config, "revision": source.revision,
             "splits": {name: split._fingerprint for name, split in raw.items()}}
+
+
+def load_mixture_source(source) -> tuple:
+    """One source of a dataset mixture (`data_mixture.MixtureSource`) loaded as --dataset loads one: (its train
+    split's name, the split, its data fingerprint), the split reduced to the source's kept `columns` if it names
+    any. `UserError` for a source without rows or without a kept column (the columns it has named)."""
+    named = DataSource(source.id, source.split, source.config, source.revision)
+    raw = load_raw_dataset(named)
+    train_split, _ = choose_splits(raw, named)
+    data = raw[train_split]
+    if len(data) == 0:
+        raise UserError(f"dataset_mixture source {source.id!r} has no rows in its {train_split!r} split.")
+    kept = source.kept_columns()
+    if kept:
+        missing = [c for c in kept if c not in data.column_names]
+        if missing:
+            raise UserError(f"dataset_mixture source {source.id!r} has no column(s) {', '.join(missing)}; it has "
+                            f"{', '.join(sorted(data.column_names))}.")
+        data = data.select_columns(kept)
+    return train_split, data, data_fingerprint(named, raw)

@@ -131,6 +131,9 @@ class PreferenceData:
                  (("truncated", "truncated"), ("dropped", "dropped (an answer kept no token)"))
                  if counts[k] + info["eval"][k]]
         line += f" ({', '.join(notes)})" if notes else ""
+        if info.get("sources"):  # a mixture: each source's pairs used of available, and share of the tokens
+            line += "; " + ", ".join(f"{s['id']} ({s['split']}): {s['examples_used']} of {s['examples_available']} "
+                                     f"pairs, {s['token_share']:.0%} of the tokens" for s in info["sources"])
         nodes, processes = info.get("nodes_with_own_rows"), info.get("tokenizing_processes", 1)
         where = f" (and the same pairs by the local main process of {nodes} node(s) with their own datasets cache)" \
             if nodes else ""

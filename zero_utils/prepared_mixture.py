@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from zero_utils.data_mixture import Mixture, drawn_indices
-from zero_utils.data_sources import DataSource, choose_splits, data_fingerprint, load_raw_dataset
+from zero_utils.data_mixture import Mixture, mixture_order
+from zero_utils.data_sources import load_mixture_source
 from zero_utils.errors import UserError
 from zero_utils.packing import PACKER_VERSION
 from zero_utils.prepared_rows import (
@@ -53,29 +53,16 @@ def prepare_mixture_rows(accelerator, tokenizer, mixture: Mixture, *, seq_len: i
 
 
 def _load_sources(mixture: Mixture):
-    """Each source's train split (its kept columns only), column map, layout and data fingerprint."""
+    """Each source's (MixtureSource, train split name, data, layout, data fingerprint)."""
     loaded = []
     for s in mixture.sources:
-        source = DataSource(s.id, s.split, s.config, s.revision)
-        raw = load_raw_dataset(source)
-        train_split, _ = choose_splits(raw, source)
-        data = raw[train_split]
-        kept = s.kept_columns()
-        if kept:
-            missing = [c for c in kept if c not in data.column_names]
-            if missing:
-                raise UserError(f"dataset_mixture source {s.id!r} has no column(s) {', '.join(missing)}; it has "
-                                f"{', '.join(sorted(data.column_names))}.")
-            data = data.select_columns(kept)
-        layout = detect_layout(data.column_names, s.column_map())
-        loaded.append((s, train_split, data, layout, data_fingerprint(source, raw)))
+        split, data, fingerprint = load_mixture_source(s)
+        loaded.append((s, split, data, detect_layout(data.column_names, s.column_map()), fingerprint))
     return loaded
 
 
 def _prepare(tokenizer, mixture: Mixture, seq_len, eval_fraction, pad_token_id, cache_root: Path,
              num_proc: int) -> dict:
-    import numpy as np
-
     loaded = _load_sources(mixture)
     depends_on = {"mixture": mixture.describe(), "data": [fingerprint for *_, fingerprint in loaded],
                   "layouts": [layout for _, _, _, layout, _ in loaded], "tokenizer": tokenizer_fingerprint(tokenizer),
@@ -84,23 +71,13 @@ def _prepare(tokenizer, mixture: Mixture, seq_len, eval_fraction, pad_token_id, 
                   "packer": PACKER_VERSION, "mixture_order": MIXTURE_VERSION}
 
     def write(tmp: Path) -> dict:
-        drawn = [np.asarray(drawn_indices(len(data), s.weight, mixture.seed), dtype=np.int64)
-                 for s, _, data, _, _ in loaded]
-        source_of = np.concatenate([np.full(len(d), i, dtype=np.int8) for i, d in enumerate(drawn)])
-        index_of = np.concatenate(drawn)
-        order = np.random.default_rng(mixture.seed).permutation(len(index_of))
-        source_of, index_of = source_of[order], index_of[order]
-        size = mixture.test_split_size
-        held_out = size if isinstance(size, int) else int(len(order) * (size if size else eval_fraction))
-        if held_out >= len(order):
-            raise UserError(f"the mixture in {mixture.where} has {len(order)} examples, not more than the "
-                            f"{held_out} it would hold out; lower test_split_size or --eval_fraction.")
+        source_of, index_of, held_out = mixture_order(mixture, [len(d) for _, _, d, _, _ in loaded], eval_fraction)
         processes = working_processes(num_proc)
-        parts = {"eval": slice(0, held_out), "train": slice(held_out, len(order))}
+        parts = {"eval": slice(0, held_out), "train": slice(held_out, len(source_of))}
         info = {"layout": "mixture of " + ", ".join(sorted({layout for _, _, _, layout, _ in loaded})),
                 "chat_template": bool(tokenizer.chat_template), "train_split": f"{len(mixture.sources)} sources",
                 "eval_split": f"{held_out} of the mixture held out" if held_out else None,
-                "tokenizing_processes": processes if len(order) - held_out >= PARALLEL_MIN_EXAMPLES else 1}
+                "tokenizing_processes": processes if len(source_of) - held_out >= PARALLEL_MIN_EXAMPLES else 1}
         for name in ("train", "eval"):
             part = parts[name]
             count = part.stop - part.start
@@ -113,7 +90,8 @@ def _prepare(tokenizer, mixture: Mixture, seq_len, eval_fraction, pad_token_id, 
         tokens = [a + b for a, b in zip(info["train"]["tokens_per_source"], info["eval"]["tokens_per_source"],
                                         strict=True)]
         info["sources"] = [{"id": s.id, "split": split, "layout": layout, "weight": s.weight,
-                            "examples_used": len(drawn[i]), "examples_available": len(data), "tokens": tokens[i],
+                            "examples_used": int((source_of == i).sum()), "examples_available": len(data),
+                            "tokens": tokens[i],
                             "token_share": tokens[i] / max(1, sum(tokens))}
                            for i, (s, split, data, layout, _) in enumerate(loaded)]
         return info

@@ -27,7 +27,8 @@ import json
 from array import array
 from pathlib import Path
 
-from zero_utils.data_sources import DataSource, choose_splits, data_fingerprint, load_raw_dataset
+from zero_utils.data_mixture import mixture_in_file, mixture_order
+from zero_utils.data_sources import DataSource, choose_splits, data_fingerprint, load_mixture_source, load_raw_dataset
 from zero_utils.errors import UserError
 from zero_utils.preference_examples import TRUNCATION, pair_columns, pair_layout, tokenize_pair
 from zero_utils.prepared_rows import (
@@ -64,7 +65,11 @@ def prepare_pairs(accelerator, tokenizer, dataset: DataSource | str, *, seq_len:
     for any value. Every rank must call it. Engines: all."""
     root = Path(cache_root or rows_cache_root())
 
+    mixture = mixture_in_file(dataset.name if isinstance(dataset, DataSource) else dataset)
+
     def prepare():
+        if mixture is not None:  # several weighted pair sets (zero_utils.data_mixture)
+            return _prepare_mixture(tokenizer, mixture, seq_len, eval_fraction, root, num_proc or default_num_proc())
         return _prepare(tokenizer, dataset, seq_len, eval_fraction, seed, column_map, root,
                         num_proc or default_num_proc())
 
@@ -82,7 +87,57 @@ def open_pairs(folder: Path):
     train = Dataset.from_file(str(folder / "train.arrow"))
     evaluation = Dataset.from_file(str(folder / "eval.arrow")) if info["eval"]["pairs"] else None
     keys = ("layout", "train_split", "eval_split", "seq_len", "train", "eval", "tokenizing_processes")
-    return train, evaluation, {**{k: info[k] for k in keys}, "folder": str(folder)}
+    return train, evaluation, {**{k: info[k] for k in keys}, "folder": str(folder),
+                               **({"sources": info["sources"]} if "sources" in info else {})}
+
+
+def _prepare_mixture(tokenizer, mixture, seq_len, eval_fraction, cache_root: Path, num_proc: int) -> dict:
+    """A mixture of pair sets, as zero_utils.prepared_mixture prepares SFT rows: each source with its own pair
+    layout and columns, the weights' draw and one shuffle with the mixture's seed, the held-out pairs first."""
+    loaded = []
+    for s in mixture.sources:
+        split, data, fingerprint = load_mixture_source(s)
+        layout = pair_layout(data.column_names, data[0], s.column_map())
+        loaded.append((s, split, data, pair_columns(layout, s.column_map()), fingerprint))
+    depends_on = {"mixture": mixture.describe(), "data": [f for *_, f in loaded],
+                  "columns": [c for _, _, _, c, _ in loaded], "tokenizer": tokenizer_fingerprint(tokenizer),
+                  "seq_len": seq_len, "truncation": TRUNCATION, "pairs": PAIRS_VERSION,
+                  "eval_fraction": eval_fraction if mixture.test_split_size is None else None}
+
+    def write(tmp: Path) -> dict:
+        source_of, index_of, held_out = mixture_order(mixture, [len(d) for _, _, d, _, _ in loaded], eval_fraction)
+        processes = working_processes(num_proc)
+
+        def work(chunk):
+            out = []
+            for source, index in zip(*chunk, strict=True):
+                columns = loaded[source][3]
+                row = loaded[source][2][int(index)]
+                pair = tokenize_pair(tokenizer, *([None] if len(columns) == 2 else []), *(row[c] for c in columns),
+                                     seq_len)
+                out.append(None if pair is None else (pair["truncated"], *(array("i", pair[c])
+                                                                           for c in SEQUENCE_COLUMNS), int(source)))
+            return out
+
+        info = {"layout": "preference pairs (a mixture)", "train_split": f"{len(loaded)} sources",
+                "eval_split": f"{held_out} of the mixture held out" if held_out else None, "seq_len": seq_len,
+                "tokenizing_processes": processes if len(source_of) - held_out >= PARALLEL_MIN_EXAMPLES else 1}
+        for name, part in (("eval", slice(0, held_out)), ("train", slice(held_out, len(source_of)))):
+            sources, indices = source_of[part], index_of[part]
+            chunks = ((sources[i:i + CHUNK_EXAMPLES], indices[i:i + CHUNK_EXAMPLES])
+                      for i in range(0, len(indices), CHUNK_EXAMPLES))
+            info[name] = _write_split(forked_map(chunks, work, processes if len(indices) >= PARALLEL_MIN_EXAMPLES
+                                                 else 1), len(indices), name, seq_len, tmp, sources=len(loaded))
+        tokens = [info["train"]["per_source"][i]["tokens"] + info["eval"]["per_source"][i]["tokens"]
+                  for i in range(len(loaded))]
+        info["sources"] = [{"id": s.id, "split": split, "weight": s.weight,
+                            "examples_used": int((source_of == i).sum()), "examples_available": len(data),
+                            "tokens": tokens[i],
+                            "token_share": tokens[i] / max(1, sum(tokens))}
+                           for i, (s, split, data, _, _) in enumerate(loaded)]
+        return info
+
+    return prepared_folder(cache_root, depends_on, write)
 
 
 def _prepare(tokenizer, dataset, seq_len, eval_fraction, seed, column_map, cache_root: Path, num_proc: int) -> dict:
@@ -110,10 +165,15 @@ def _prepare(tokenizer, dataset, seq_len, eval_fraction, seed, column_map, cache
         info = {"layout": f"preference pairs ({layout})", "train_split": repr(train_split), "eval_split": eval_text,
                 "seq_len": seq_len,
                 "tokenizing_processes": processes if len(train_raw) >= PARALLEL_MIN_EXAMPLES else 1}
+        columns = pair_columns(layout, column_map)
         for name, split_raw in (("train", train_raw), ("eval", eval_raw)):
-            info[name] = _write_split(split_raw, name, tokenizer, pair_columns(layout, column_map), seq_len, tmp,
-                                      processes) if split_raw is not None else {"pairs": 0, "truncated": 0,
-                                                                                "dropped": 0}
+            if split_raw is None:
+                info[name] = {"pairs": 0, "truncated": 0, "dropped": 0}
+                continue
+            chunks = split_raw.select_columns(columns).iter(batch_size=CHUNK_EXAMPLES)
+            tokenized = forked_map(chunks, lambda chunk: _tokenize_chunk(chunk, tokenizer, columns, seq_len),
+                                   processes if len(split_raw) >= PARALLEL_MIN_EXAMPLES else 1)
+            info[name] = _write_split(tokenized, len(split_raw), name, seq_len, tmp)
         return info
 
     return prepared_folder(cache_root, depends_on, write)
@@ -129,9 +189,10 @@ def _tokenize_chunk(chunk: dict, tokenizer, columns: list[str], seq_len: int) ->
     return out
 
 
-def _write_split(split_raw, name, tokenizer, columns: list[str], seq_len: int, folder: Path, num_proc: int) -> dict:
-    """Tokenize one split (`forked_map`: num_proc processes for a split of PARALLEL_MIN_EXAMPLES pairs or more) and
-    write `<folder>/<name>.arrow`, WRITE_PAIR_TOKENS tokens of pairs at a time. Returns its counts."""
+def _write_split(tokenized, total: int, name: str, seq_len: int, folder: Path, sources: int = 0) -> dict:
+    """Write one split's tokenized pairs (`tokenized`: lists of `_tokenize_chunk`'s results, from `forked_map`) into
+    `<folder>/<name>.arrow`, WRITE_PAIR_TOKENS tokens of pairs at a time. Returns its counts (with `sources`, a
+    mixture's count of sources, the pairs and tokens of each: a result's last item is then its source)."""
     import numpy as np
     import pyarrow
     from datasets import Features, Sequence, Value
@@ -146,6 +207,7 @@ def _write_split(split_raw, name, tokenizer, columns: list[str], seq_len: int, f
     pool = pyarrow.default_memory_pool()
     waiting, waiting_tokens = [], 0
     counts = {"pairs": 0, "truncated": 0, "dropped": 0}
+    per_source = [{"pairs": 0, "tokens": 0} for _ in range(sources)]
 
     def flush():  # one record batch of the waiting pairs
         nonlocal waiting, waiting_tokens
@@ -163,10 +225,8 @@ def _write_split(split_raw, name, tokenizer, columns: list[str], seq_len: int, f
         waiting, waiting_tokens = [], 0
         pool.release_unused()  # Arrow's allocator keeps freed blocks: give them back, or they grow with the data
 
-    processes = num_proc if len(split_raw) >= PARALLEL_MIN_EXAMPLES else 1
-    chunks = split_raw.select_columns(columns).iter(batch_size=CHUNK_EXAMPLES)
-    with tqdm(total=len(split_raw), unit="pair", desc=f"tokenize {name} pairs to {seq_len}") as progress:
-        for done in forked_map(chunks, lambda chunk: _tokenize_chunk(chunk, tokenizer, columns, seq_len), processes):
+    with tqdm(total=total, unit="pair", desc=f"tokenize {name} pairs to {seq_len}") as progress:
+        for done in tokenized:
             for pair in done:
                 progress.update(1)
                 if pair is None:
@@ -174,12 +234,15 @@ def _write_split(split_raw, name, tokenizer, columns: list[str], seq_len: int, f
                     continue
                 counts["pairs"] += 1
                 counts["truncated"] += pair[0]
-                waiting.append(pair[1:])
+                waiting.append(pair[1:5])
                 waiting_tokens += len(pair[1]) + len(pair[3])
+                if sources:
+                    per_source[pair[5]]["pairs"] += 1
+                    per_source[pair[5]]["tokens"] += len(pair[1]) + len(pair[3])
                 if waiting_tokens >= WRITE_PAIR_TOKENS:
                     flush()
     if waiting:
         flush()
     writer.finalize()
     writer.close()
-    return counts
+    return {**counts, "per_source": per_source} if sources else counts
