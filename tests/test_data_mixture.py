@@ -122,7 +122,7 @@ def mixture_file(tmp_path, name: str, sources: list[tuple[str, float, str]], see
 def test_a_mixture_is_prepared_once_with_each_sources_draw_and_a_key_of_its_own(tmp_path):
     """Bundled chat messages (weight 0.75 of 4,000) and an Alpaca file (0.25 of 400): int(weight x available)
     examples each, both layouts in one set of rows, each source's share of the tokens; a second preparation reuses
-    the rows; another weight, source, split or seed prepares others."""
+    the rows; another weight, source, seed or split (of a save_to_disk DatasetDict) prepares others."""
     from types import SimpleNamespace
 
     from transformers import AutoTokenizer
@@ -152,9 +152,15 @@ def test_a_mixture_is_prepared_once_with_each_sources_draw_and_a_key_of_its_own(
                [base[0], (str(tmp_path / "other.json"), 0.25, "train")]]  # a source
     folders = {prepare(mixture_file(tmp_path, f"c{i}.yaml", c))[2]["folder"] for i, c in enumerate(changed)}
     folders.add(prepare(mixture_file(tmp_path, "seed.yaml", base, seed=1))[2]["folder"])  # the seed
-    with pytest.raises(UserError, match="no split 'validation'|'validation'"):  # a split: another key, or absent
-        prepare(mixture_file(tmp_path, "split.yaml", [base[0], (str(alpaca), 0.25, "validation")]))
-    assert len(folders | {info["folder"]}) == 4
+    from datasets import DatasetDict, load_dataset
+
+    splits = load_dataset("json", data_files=str(alpaca), split="train")
+    DatasetDict({"train": splits.select(range(200)), "validation": splits.select(range(200, 400))}).save_to_disk(
+        str(tmp_path / "two_splits"))
+    for split in ("train", "validation"):  # the same data set, another split: another key
+        folders.add(prepare(mixture_file(tmp_path, f"{split}.yaml",
+                                         [base[0], (str(tmp_path / "two_splits"), 0.25, split)]))[2]["folder"])
+    assert len(folders | {info["folder"]}) == 6
 
 
 @pytest.mark.distributed
