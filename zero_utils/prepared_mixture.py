@@ -6,7 +6,7 @@ columns) and keeps its own layout (chat messages, prompt/completion, Alpaca, tex
 (`data_mixture.drawn_indices`, alignment-handbook's count) is made once with the mixture's seed; the drawn examples of
 every source are then shuffled together with the same seed, so a packed row mixes sources. The mixture's held-out
 part is its first `test_split_size` examples of that order (a fraction or a count), else the first --eval_fraction of
-them. The order is two numpy arrays (source, index: about 9 bytes an example); the examples are read, tokenized
+them. The order is two numpy arrays (source, index: 10 bytes an example); the examples are read, tokenized
 (--num_proc forked workers) and packed CHUNK_EXAMPLES at a time, in bounded memory. The key covers the mixture
 (sources, weights, columns, seed, hold-out), each source's data fingerprint and layout, the tokenizer, seq_len, the
 pad id, --eval_fraction (when it applies) and the packer's version. info's "sources": per source its id, split,
