@@ -197,3 +197,20 @@ def mixture_order(mixture: Mixture, available: list[int], eval_fraction: float):
         raise UserError(f"the mixture in {mixture.where} has {len(order)} examples, not more than the {held_out} it "
                         "would hold out; lower test_split_size or --eval_fraction.")
     return source_of[order], np.concatenate(drawn)[order], held_out
+
+
+def order_chunks(sources, indices, size: int):
+    """The (sources, indices) slices of `size` examples of a `mixture_order` part, in order: the chunks a
+    preparation tokenizes at a time."""
+    return ((sources[i:i + size], indices[i:i + size]) for i in range(0, len(indices), size))
+
+
+def source_report(mixture: Mixture, splits: list[str], available: list[int], source_of, tokens: list[int]) -> list:
+    """Each source's line of a prepared mixture's info: its id, split, weight, examples used (in `source_of`, the
+    whole order) of `available`, tokens tokenized and share of the mixture's tokens."""
+    import numpy as np
+
+    used = np.bincount(source_of, minlength=len(mixture.sources))
+    return [{"id": s.id, "split": split, "weight": s.weight, "examples_used": int(used[i]),
+             "examples_available": available[i], "tokens": tokens[i], "token_share": tokens[i] / max(1, sum(tokens))}
+            for i, (s, split) in enumerate(zip(mixture.sources, splits, strict=True))]

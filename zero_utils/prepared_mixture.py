@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from zero_utils.data_mixture import Mixture, mixture_order
+from zero_utils.data_mixture import Mixture, mixture_order, order_chunks, source_report
 from zero_utils.data_sources import load_mixture_source
 from zero_utils.errors import UserError
 from zero_utils.packing import PACKER_VERSION
@@ -89,11 +89,9 @@ def _prepare(tokenizer, mixture: Mixture, seq_len, eval_fraction, pad_token_id, 
             raise UserError(f"the mixture in {mixture.where} yields no trainable tokens; check its sources.")
         tokens = [a + b for a, b in zip(info["train"]["tokens_per_source"], info["eval"]["tokens_per_source"],
                                         strict=True)]
-        info["sources"] = [{"id": s.id, "split": split, "layout": layout, "weight": s.weight,
-                            "examples_used": int((source_of == i).sum()), "examples_available": len(data),
-                            "tokens": tokens[i],
-                            "token_share": tokens[i] / max(1, sum(tokens))}
-                           for i, (s, split, data, layout, _) in enumerate(loaded)]
+        report = source_report(mixture, [split for _, split, _, _, _ in loaded], [len(d) for _, _, d, _, _ in loaded],
+                               source_of, tokens)
+        info["sources"] = [{**line, "layout": layout} for line, (*_, layout, _) in zip(report, loaded, strict=True)]
         return info
 
     return prepared_folder(cache_root, depends_on, write)
@@ -104,18 +102,18 @@ def _stream(loaded, sources, indices, tokenizer, num_proc: int):
     tokenized CHUNK_EXAMPLES at a time (`forked_map`)."""
     from array import array
 
-    def work(chunk):
+    processes = num_proc if len(indices) >= PARALLEL_MIN_EXAMPLES else 1
+
+    def work(chunk):  # int32 arrays only to send back from a worker
         out = []
         for source, index in zip(*chunk, strict=True):
             s, _, data, layout, _ = loaded[source]
             example = tokenize_example(tokenizer, to_messages(data[int(index)], layout, s.column_map()))
             ids, labels = example["input_ids"], example["labels"]
-            out.append((ids, labels, int(source)) if num_proc == 1 else (array("i", ids), array("i", labels),
-                                                                          int(source)))
+            out.append((ids, labels, int(source)) if processes == 1 else (array("i", ids), array("i", labels),
+                                                                           int(source)))
         return out
 
-    chunks = ((sources[i:i + CHUNK_EXAMPLES], indices[i:i + CHUNK_EXAMPLES])
-              for i in range(0, len(indices), CHUNK_EXAMPLES))
-    for done in forked_map(chunks, work, num_proc if len(indices) >= PARALLEL_MIN_EXAMPLES else 1):
+    for done in forked_map(order_chunks(sources, indices, CHUNK_EXAMPLES), work, processes):
         for ids, labels, source in done:
-            yield (ids, labels, source) if isinstance(ids, list) else (ids.tolist(), labels.tolist(), source)
+            yield (ids, labels, source) if processes == 1 else (ids.tolist(), labels.tolist(), source)

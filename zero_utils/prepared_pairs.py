@@ -27,7 +27,7 @@ import json
 from array import array
 from pathlib import Path
 
-from zero_utils.data_mixture import mixture_in_file, mixture_order
+from zero_utils.data_mixture import mixture_in_file, mixture_order, order_chunks, source_report
 from zero_utils.data_sources import DataSource, choose_splits, data_fingerprint, load_mixture_source, load_raw_dataset
 from zero_utils.errors import UserError
 from zero_utils.preference_examples import TRUNCATION, pair_columns, pair_layout, tokenize_pair
@@ -124,17 +124,13 @@ def _prepare_mixture(tokenizer, mixture, seq_len, eval_fraction, cache_root: Pat
                 "tokenizing_processes": processes if len(source_of) - held_out >= PARALLEL_MIN_EXAMPLES else 1}
         for name, part in (("eval", slice(0, held_out)), ("train", slice(held_out, len(source_of)))):
             sources, indices = source_of[part], index_of[part]
-            chunks = ((sources[i:i + CHUNK_EXAMPLES], indices[i:i + CHUNK_EXAMPLES])
-                      for i in range(0, len(indices), CHUNK_EXAMPLES))
+            chunks = order_chunks(sources, indices, CHUNK_EXAMPLES)
             info[name] = _write_split(forked_map(chunks, work, processes if len(indices) >= PARALLEL_MIN_EXAMPLES
                                                  else 1), len(indices), name, seq_len, tmp, sources=len(loaded))
         tokens = [info["train"]["per_source"][i]["tokens"] + info["eval"]["per_source"][i]["tokens"]
                   for i in range(len(loaded))]
-        info["sources"] = [{"id": s.id, "split": split, "weight": s.weight,
-                            "examples_used": int((source_of == i).sum()), "examples_available": len(data),
-                            "tokens": tokens[i],
-                            "token_share": tokens[i] / max(1, sum(tokens))}
-                           for i, (s, split, data, _, _) in enumerate(loaded)]
+        info["sources"] = source_report(mixture, [split for _, split, _, _, _ in loaded],
+                                        [len(d) for _, _, d, _, _ in loaded], source_of, tokens)
         return info
 
     return prepared_folder(cache_root, depends_on, write)
