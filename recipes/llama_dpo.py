@@ -138,11 +138,11 @@ def main(cfg: Settings) -> None:
 
     # ------------------------------------------------------------------------------ will it fit
     model_config = load_config(cfg.model, cfg.trust_remote_code, cfg.revision)
-    fit = check_fit(accelerator, engine, model_config, seq_len=cfg.seq_len,
+    fit = check_fit(accelerator, engine, model_config, seq_len=cfg.seq_len,  # + the reference
                     micro_batch_size=2 * cfg.per_device_batch_size,  # a pair is two rows
                     activation_checkpointing=cfg.gradient_checkpointing, attn_implementation=cfg.attn_implementation,
                     loss_chunk_tokens=cfg.loss_chunk_tokens, device_memory=cfg.device_memory, enabled=cfg.fit_check,
-                    trust_remote_code=cfg.trust_remote_code, reference=uses_reference)  # + the reference's bytes
+                    trust_remote_code=cfg.trust_remote_code, reference="model" if uses_reference else "none")
 
     # ------------------------------------------------------------------------------ data
     tokenizer = load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code, revision=cfg.revision)

@@ -181,3 +181,19 @@ def assert_chunked_equals_whole(chunked: Run, whole: Run, weights: str = "final/
     assert tensors.keys() == ref_tensors.keys()
     for name, tensor in tensors.items():
         torch.testing.assert_close(tensor, ref_tensors[name], rtol=0, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.fixture(scope="session")
+def base_model(session_root) -> str:
+    """The bundled tiny Llama with saved (random) weights: a base that reloads identically, for LoRA runs whose
+    adapter is reloaded on it (tests/test_lora.py, tests/test_dpo_lora.py)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    path = session_root / "lora-base"
+    if not path.exists():
+        torch.manual_seed(0)
+        bundled = REPO / "zero_utils/assets/tiny-llama"
+        AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(bundled)).save_pretrained(path)
+        AutoTokenizer.from_pretrained(bundled).save_pretrained(path)
+    return str(path)

@@ -14,6 +14,7 @@ import yaml
 from conftest import CONFIGS, ENGINE_CONFIGS, HARNESS, REPO
 
 pytestmark = pytest.mark.unit
+RECIPES = sorted(f"recipes/{path.name}" for path in (REPO / "recipes").glob("*.py"))
 
 
 def load(name: str) -> dict:
@@ -47,7 +48,7 @@ def test_config_names_its_engine(name):
         assert fsdp["fsdp_offload_params"] is name.endswith("_offload")
 
 
-@pytest.mark.parametrize("recipe", ["recipes/llama_zero3.py", "recipes/llama_lora.py", "recipes/llama_dpo.py"])
+@pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_help_runs(recipe):
     out = subprocess.run([sys.executable, str(REPO / recipe), "--help"], capture_output=True, text=True)
     assert out.returncode == 0
@@ -139,6 +140,7 @@ def test_memory_formulas_are_pure_arithmetic():
 
 
 MAX_MODULE_LINES = 450
+MARKED = {"recipes/llama_lora.py": "recipes/llama_zero3.py", "recipes/llama_dpo_lora.py": "recipes/llama_dpo.py"}
 
 
 def test_every_zero_utils_module_has_one_job_in_at_most_450_lines():
@@ -151,17 +153,20 @@ def test_every_zero_utils_module_has_one_job_in_at_most_450_lines():
         assert ast.get_docstring(ast.parse(path.read_text())), f"{path.name} has no module docstring"
 
 
-def test_lora_recipe_is_the_full_recipe_plus_lines_marked_lora():
-    """recipes/llama_lora.py's docstring says every line that differs from llama_zero3.py is marked [LoRA]: below
-    the docstrings, every added or changed line carries the mark (blank lines aside)."""
+@pytest.mark.parametrize("lora, base", sorted(MARKED.items()))
+def test_lora_recipe_is_its_base_recipe_plus_lines_marked_lora(lora, base):
+    """recipes/llama_lora.py's docstring says every line that differs from llama_zero3.py is marked [LoRA], and
+    llama_dpo_lora.py's the same of llama_dpo.py: below the docstrings, every added or changed line carries the
+    mark (blank lines aside)."""
     import difflib
 
     def body(path):
         text = (REPO / path).read_text()
         return text[text.index('"""', 3) + 3:].splitlines()
 
-    added = [line for line in difflib.ndiff(body("recipes/llama_zero3.py"), body("recipes/llama_lora.py"))
-             if line.startswith("+ ") and line[2:].strip()]
+    assert f"This file is {Path(base).name} with every line that differs" in " ".join(
+        (REPO / lora).read_text().split())
+    added = [line for line in difflib.ndiff(body(base), body(lora)) if line.startswith("+ ") and line[2:].strip()]
     assert added and all("[LoRA]" in line for line in added), [line for line in added if "[LoRA]" not in line]
 
 
@@ -272,13 +277,13 @@ def test_fast_tier_launches_each_engine_family_and_reaches_every_module():
     assert modules <= reached, f"no fast test reaches {sorted(modules - reached)}"
 
 
-@pytest.mark.parametrize("recipe", ["recipes/llama_zero3.py", "recipes/llama_lora.py", "recipes/llama_dpo.py"])
+@pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_reads_as_components(recipe):
     """The recipe's shape as docs/ARCHITECTURE.md states it: a loop of at most 30 lines; no engine tested in it
     (engine-specific steps live in zero_utils.parallelize); an incompatible checkpoint refused before the model is
     loaded; the fit check made before the data is prepared and the model built; the full recipe imports at most 11
     zero_utils modules (the LoRA one at most 3 more, on [LoRA] lines; the DPO one 3 more: its data, loss and
-    reference)."""
+    reference; the LoRA-DPO one at most 3 more than the DPO one, on [LoRA] lines)."""
     tree = ast.parse((REPO / recipe).read_text())
     main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
     loop = next(n for n in ast.walk(main) if isinstance(n, ast.For) and getattr(n.target, "id", "") == "step")
@@ -294,8 +299,9 @@ def test_recipe_reads_as_components(recipe):
     assert first_call("check") < first_call("load_causal_lm")
     assert first_call("check_fit") < min(first_call("prepare"), first_call("load_causal_lm"))
     assert len(zero_utils_imports(REPO / "recipes/llama_zero3.py")) <= 11
-    # the LoRA recipe's further modules are its own [LoRA] lines: distributed, deepspeed_setup, qlora
-    extra = zero_utils_imports(REPO / recipe) - zero_utils_imports(REPO / "recipes/llama_zero3.py")
+    # the LoRA recipes' further modules are their own [LoRA] lines: distributed, deepspeed_setup, qlora
+    base = MARKED.get(recipe, "recipes/llama_zero3.py")
+    extra = zero_utils_imports(REPO / recipe) - zero_utils_imports(REPO / base)
     if recipe.endswith("llama_dpo.py"):
         assert extra == {"preference_data", "preference_loss", "reference_model"}, extra
         return

@@ -242,7 +242,7 @@ def test_the_reference_model_adds_its_formula_and_the_dpo_fit_check_counts_it(ca
         assert with_reference["total_bytes"] - without["total_bytes"] == gpu == with_reference["reference_bytes"]
         assert with_reference["cpu_bytes"] - without["cpu_bytes"] == cpu, engine
     plain, _ = check_bundled(device_memory="1TB")
-    with_reference, printed = check_bundled(device_memory="1TB", reference=True)
+    with_reference, printed = check_bundled(device_memory="1TB", reference="model")
     replica = 4 * with_reference.setup.num_params  # fp32, one process: a whole replica
     assert with_reference.verdict.total_bytes == plain.verdict.total_bytes + replica
     assert " + reference 3.85 MB + " in printed[0]
@@ -251,4 +251,36 @@ def test_the_reference_model_adds_its_formula_and_the_dpo_fit_check_counts_it(ca
     from zero_utils.errors import UserError
 
     with pytest.raises(UserError, match="this run needs an estimated"):
-        check_bundled(device_memory=between, reference=True)
+        check_bundled(device_memory=between, reference="model")
+
+
+def test_a_lora_policy_as_its_own_reference_adds_nothing_and_needs_its_adapters(capsys):
+    """`--reference adapters` (recipes/llama_dpo_lora.py: the policy's forward with its adapters off): no second
+    model, so every engine's total and host bytes are those of `--reference none` at the same --lora_fraction, the
+    reference column reads 0; without --lora_fraction it is one sentence. The LoRA-DPO fit check plans the bytes of
+    the same LoRA run without a reference and prints the reference term as 0."""
+    from peft import LoraConfig
+
+    sizes = ["--params", "8B", "--hidden_size", str(H), "--num_layers", str(L), "--vocab_size", str(V),
+             "--intermediate_size", str(FFN), "--num_gpus", "8", "--lora_fraction", "0.01", "--json"]
+    rows = {}
+    for reference in ("none", "adapters"):
+        assert memory.main([*sizes, "--reference", reference]) == 0
+        rows[reference] = {r["engine"]: r for r in json.loads(capsys.readouterr().out)["engines"]}
+    for engine, without in rows["none"].items():
+        adapters = rows["adapters"][engine]
+        assert adapters["reference_bytes"] == 0 and adapters["total_bytes"] == without["total_bytes"] > 0, engine
+        assert adapters["cpu_bytes"] == without["cpu_bytes"], engine
+    assert memory.main([*sizes[:-1], "--reference", "adapters"]) == 0  # the table
+    assert "reference: the LoRA policy's own forward with its adapters off" in capsys.readouterr().out
+    assert memory.main([*sizes[:-3], "--reference", "adapters"]) == 2  # every parameter trained: no adapters
+    assert capsys.readouterr().err.strip() == ("error: --reference adapters is the LoRA policy's own forward with its "
+                                               "adapters off: give --lora_fraction, the adapters' share of the "
+                                               "parameters (e.g. 0.01).")
+    lora = LoraConfig(r=4, target_modules="all-linear")
+    plain, _ = check_bundled(device_memory="1TB", lora_config=lora)
+    with_adapters, printed = check_bundled(device_memory="1TB", lora_config=lora, reference="adapters")
+    assert with_adapters.verdict.total_bytes == plain.verdict.total_bytes
+    assert " + reference (adapters off) 0.00 MB + " in printed[0] and "LoRA" in printed[0]
+    assert with_adapters.summary()["fit_check"]["reference_bytes"] == 0
+

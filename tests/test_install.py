@@ -66,7 +66,7 @@ def test_the_wheel_ships_the_library_recipes_yamls_presets_and_assets(installed)
     inside = str(target / "zero_utils")
     assert found["file"] == f"{inside}/__init__.py"  # not the clone
     assert found["version"] == found["dist"]  # one source: pyproject reads zero_utils.__version__
-    assert found["recipes"] == ["llama_dpo", "llama_lora", "llama_zero3"]
+    assert found["recipes"] == ["llama_dpo", "llama_dpo_lora", "llama_lora", "llama_zero3"]
     assert found["fsdp2"] == f"{inside}/accelerate_configs/fsdp2.yaml"
     assert found["presets"] == sorted(p.name for p in (REPO / "presets").glob("*.yaml"))
     assert found["model"].startswith(inside) and found["data"].startswith(inside)
@@ -93,8 +93,8 @@ def test_copy_writes_a_recipe_its_yamls_and_presets_and_refuses_with_one_sentenc
     unknown = python(env, work, "-m", "zero_utils", "copy", "llama_sft", str(dest), check=False)
     (dest / "accelerate_configs" / "fsdp2.yaml").write_text("# mine\n")
     in_the_way = python(env, work, "-m", "zero_utils", "copy", "llama_zero3", str(dest), check=False)
-    for proc, sentence in ((unknown, "no recipe named 'llama_sft'; the recipes are: llama_dpo, llama_lora, "
-                                     "llama_zero3"),
+    for proc, sentence in ((unknown, "no recipe named 'llama_sft'; the recipes are: llama_dpo, llama_dpo_lora, "
+                                     "llama_lora, llama_zero3"),
                            (in_the_way, "fsdp2.yaml already exists; pass --force to overwrite")):
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1 and sentence in lines[0], proc.stderr

@@ -6,24 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import REPO, WHOLE_LOGITS, assert_chunked_equals_whole
+from conftest import WHOLE_LOGITS, assert_chunked_equals_whole
 from safetensors.torch import load_file
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
-
-
-@pytest.fixture(scope="module")
-def base_model(session_root) -> str:
-    """The bundled tiny Llama with saved (random) weights: a base that reloads identically."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    path = session_root / "lora-base"
-    if not path.exists():
-        torch.manual_seed(0)
-        bundled = REPO / "zero_utils/assets/tiny-llama"
-        AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(bundled)).save_pretrained(path)
-        AutoTokenizer.from_pretrained(bundled).save_pretrained(path)
-    return str(path)
 
 
 LORA_ARGS = ("--max_steps", "6", "--save_every", "4", "--seq_len", "64", "--lora_dropout", "0", "--eval_fraction", "0",

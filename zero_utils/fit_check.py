@@ -111,7 +111,8 @@ def _term_line(check: FitCheck) -> str:
     loss = f"{s.loss_chunk_tokens}-token loss chunks" if s.loss_chunk_tokens else "whole logits"
     terms = " + ".join(f"{name} {format_bytes(value)}" for name, value in (
         ("params", states.gpu["params"]), ("grads", states.gpu["grads"]), ("optimizer", states.gpu["optimizer"]),
-        *((("reference", v.estimate.reference_bytes),) if s.reference else ()),
+        *((("reference", v.estimate.reference_bytes),) if s.reference == "model" else ()),
+        *((("reference (adapters off)", 0),) if s.reference == "adapters" else ()),
         ("activations", v.estimate.activation_bytes), ("transient", v.estimate.transient_bytes)))
     on_host = v.total_bytes - v.estimate.total_bytes  # what an engine offloads, when host memory is the device
     if on_host:
@@ -130,12 +131,13 @@ def _term_line(check: FitCheck) -> str:
 def check_fit(accelerator, engine: Engine, model_config, *, seq_len: int, micro_batch_size: int,
               activation_checkpointing: bool, attn_implementation: str, loss_chunk_tokens: int,
               device_memory: str = "", enabled: bool = True, lora_config=None, trust_remote_code: bool = False,
-              refuse: bool = True, reference: bool = False) -> FitCheck:
+              refuse: bool = True, reference: str = "none") -> FitCheck:
     """Estimate this run's peak memory per rank before the model is built, print it term by term next to the
     capacity, and stop every rank with one sentence (`UserError`) when it does not fit (unless `refuse` is False:
     then a warning). Every rank must call it (one collective agrees on the smallest capacity). `enabled=False`
-    (`--no-fit_check`) skips it all. `lora_config`: a peft LoraConfig (only the adapters train). `reference`: a
-    preference loss's frozen reference model is held too (recipes/llama_dpo.py). Engines: all.
+    (`--no-fit_check`) skips it all. `lora_config`: a peft LoraConfig (only the adapters train). `reference`: what a
+    preference loss compares the policy with: "model", a frozen copy held too (recipes/llama_dpo.py); "adapters", the
+    LoRA policy's own forward with its adapters off (recipes/llama_dpo_lora.py: 0 bytes); "none". Engines: all.
     Returns a `FitCheck` whose `summary()` goes into summary.json next to the measured peak."""
     if not enabled:
         return FitCheck(None, None)

@@ -21,7 +21,7 @@ from zero_utils.memory_estimate import (
     parse_bytes,
     report,
 )
-from zero_utils.memory_formulas import OPTIMIZERS, architecture_from_sizes
+from zero_utils.memory_formulas import OPTIMIZERS, REFERENCES, architecture_from_sizes
 
 _SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
 
@@ -74,9 +74,11 @@ def _parser() -> argparse.ArgumentParser:
                           "(default: %(default)s)")
     training.add_argument("--lora_fraction", type=float, default=d.lora_fraction, metavar="F", help="fraction of "
                           "parameters trained; the rest frozen in the compute dtype (default: %(default)s)")
-    training.add_argument("--reference", default="none", choices=["model", "none"], help="model: a preference "
+    training.add_argument("--reference", default=d.reference, choices=REFERENCES, help="model: a preference "
                           "loss's frozen reference model (recipes/llama_dpo.py), in the compute dtype, held as the "
-                          "engine holds params (default: %(default)s)")
+                          "engine holds params; adapters: the LoRA policy with its adapters off "
+                          "(recipes/llama_dpo_lora.py, with --lora_fraction): no second model, 0 bytes "
+                          "(default: %(default)s)")
     training.add_argument("--offload_optimizer", action="store_true", help="optimizer state in CPU memory "
                           "(ZeRO-1/2/3)")
     training.add_argument("--offload_params", action="store_true", help="sharded params in CPU memory "
@@ -126,7 +128,7 @@ def _setup_from_args(args) -> Setup:
                  offload_optimizer=args.offload_optimizer, offload_params=args.offload_params, arch=arch,
                  seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
                  activation_checkpointing=args.activation_checkpointing, attention=args.attention,
-                 loss_chunk_tokens=args.loss_chunk_tokens, formula=args.formula, reference=args.reference == "model")
+                 loss_chunk_tokens=args.loss_chunk_tokens, formula=args.formula, reference=args.reference)
 
 
 
@@ -147,7 +149,7 @@ def format_report(data: dict, unit: str = "GB") -> str:
                "cpu/rank")
     keys = ("params_bytes", "grads_bytes", "optimizer_bytes", "model_state_bytes", "reference_bytes",
             "activation_bytes", "transient_bytes", "total_bytes", "cpu_bytes")
-    if not inputs["reference"]:  # the column only when there is a reference model
+    if inputs["reference"] == "none":  # the column only when there is a reference
         columns, keys = columns[:4] + columns[5:], keys[:4] + keys[5:]
     lines.append(f"{'engine':<14}" + "".join(f"{c:>12}" for c in columns) + "  fits")
     for row in data["engines"]:

@@ -14,6 +14,7 @@ import torch
 from zero_utils.engine import Engine
 from zero_utils.errors import UserError
 from zero_utils.memory_formulas import (
+    REFERENCES,
     Architecture,
     ModelStateBytes,
     activation_bytes,
@@ -125,7 +126,8 @@ class Setup:
     attention: str = "sdpa"
     loss_chunk_tokens: int = 1024  # the recipes' default
     formula: str = "engine"
-    reference: bool = False  # a preference loss's frozen reference model (recipes/llama_dpo.py --reference model)
+    reference: str = "none"  # a preference loss's reference: "model" (a frozen copy: recipes/llama_dpo.py), "adapters"
+    # (the LoRA policy with its adapters off: recipes/llama_dpo_lora.py, no bytes), "none" (reference-free)
 
 
 @dataclass(frozen=True)
@@ -168,6 +170,11 @@ def estimate(setup: Setup, engines: tuple[Engine, ...] = ENGINES) -> list[Engine
             raise UserError(f"{flag} {value} must be at least 1.")
     if not 0 < setup.lora_fraction <= 1:
         raise UserError(f"--lora_fraction {setup.lora_fraction} must be in (0, 1]; 1 trains every parameter.")
+    if setup.reference not in REFERENCES:
+        raise UserError(f"--reference {setup.reference!r} is unknown; use {', '.join(REFERENCES)}.")
+    if setup.reference == "adapters" and setup.lora_fraction == 1:
+        raise UserError("--reference adapters is the LoRA policy's own forward with its adapters off: give "
+                        "--lora_fraction, the adapters' share of the parameters (e.g. 0.01).")
     if setup.dtype not in ("fp32", "bf16"):
         raise UserError(f"--dtype {setup.dtype!r} is unknown; use fp32 or bf16.")
     trainable = round(setup.num_params * setup.lora_fraction)
@@ -187,8 +194,8 @@ def estimate(setup: Setup, engines: tuple[Engine, ...] = ENGINES) -> list[Engine
                                            attention=setup.attention, dtype=setup.dtype,
                                            loss_chunk_tokens=setup.loss_chunk_tokens)
             transient = transient_bytes(engine, setup.arch, dtype=setup.dtype, trainable_fraction=setup.lora_fraction)
-        reference = reference_model_bytes(engine, setup.num_params, world, setup.dtype, shard_group_size=group) \
-            if setup.reference else (0, 0)
+        reference = (0, 0) if setup.reference == "none" else reference_model_bytes(
+            engine, setup.num_params, world, setup.dtype, shard_group_size=group, held_as=setup.reference)
         results.append(EngineEstimate(engine, states, activations, transient, *reference))
     return results
 
@@ -231,6 +238,9 @@ def _notes(setup: Setup) -> list[str]:
         notes.append("ZeRO-1/2 cannot offload params; FSDP2's offload moves its grads and optimizer state too.")
     if setup.hsdp:
         notes.append(f"HSDP: FSDP2 shards over the {setup.num_gpus} GPUs of a node; DeepSpeed rows shard over all.")
+    if setup.reference == "adapters":
+        notes.append("reference: the LoRA policy's own forward with its adapters off (recipes/llama_dpo_lora.py): "
+                     "no second model, 0 bytes.")
     return notes
 
 

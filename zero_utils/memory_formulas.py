@@ -226,12 +226,19 @@ def _holds_whole_gradients(engine: Engine, world_size: int, precision: str,
     return bytes_of["before"] > bytes_of["after"]
 
 
+REFERENCES = ("none", "model", "adapters")  # what a preference loss compares the policy with (reference_model_bytes)
+
+
 def reference_model_bytes(engine: Engine, num_params: int, world_size: int, mixed_precision: str | None = "no", *,
-                          shard_group_size: int | None = None) -> tuple[int, int]:
-    """(GPU, CPU) bytes one rank holds of a preference loss's frozen reference model (zero_utils.reference_model):
-    its `num_params` parameters in the compute dtype (2 bytes under bf16/fp16 mixed precision, else 4), no grads,
-    no optimizer state; divided over the shard group where the engine shards parameters (ZeRO-3, FSDP2), whole
-    otherwise; in CPU memory where the engine offloads parameters (zero3_offload, fsdp2*_offload). Engines: all."""
+                          shard_group_size: int | None = None, held_as: str = "model") -> tuple[int, int]:
+    """(GPU, CPU) bytes one rank holds of a preference loss's frozen reference model (zero_utils.reference_model).
+    `held_as="model"` (recipes/llama_dpo.py): a frozen copy, its `num_params` parameters in the compute dtype (2 bytes
+    under bf16/fp16 mixed precision, else 4), no grads, no optimizer state; divided over the shard group where the
+    engine shards parameters (ZeRO-3, FSDP2), whole otherwise; in CPU memory where the engine offloads parameters
+    (zero3_offload, fsdp2*_offload). `held_as="adapters"` (recipes/llama_dpo_lora.py): the LoRA policy's own forward
+    with its adapters off, so no second model exists: (0, 0). Engines: all."""
+    if held_as == "adapters":
+        return 0, 0
     element = 4 if _precision(mixed_precision) == "fp32" else 2
     group = shard_group_size or world_size
     held = -(-element * num_params // group) if engine.shards_params else element * num_params

@@ -8,13 +8,17 @@
 No gradients, no optimizer state: 2 Psi / N bytes sharded in bf16 (4 Psi / N in fp32), 2 Psi or 4 Psi as a
 replica (`expected_state_bytes`; `state_bytes` measures what this rank holds).
 
-It is built from the same `--model` as the policy, after the same seed (a config-only model draws the same
+A LoRA policy needs no second model (recipes/llama_dpo_lora.py): its reference is its own forward with the adapters
+off (`adapters_off`), the base weights the adapters are added to: 0 bytes more under every engine.
+
+The frozen copy is built from the same `--model` as the policy, after the same seed (a config-only model draws the same
 weights), so it equals the policy's initial weights; `digest` (SHA-256 of its gathered weights) lets the recipe
 check that at the start and that it never changes. A resume builds it again the same way: it is never saved.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -93,3 +97,25 @@ class ReferenceModel:
     def free_gathered(self) -> None:
         """[FSDP2] Reshard whatever the last forwards left gathered (a no-op elsewhere)."""
         reshard_after_inference(self.module)
+
+
+@contextlib.contextmanager
+def adapters_off(model, accelerator):
+    """The reference of a PEFT LoRA policy: inside this context, `model` (the prepared policy, called as in training,
+    under `torch.no_grad()`) computes the base model's forward, adapters off (PEFT's `disable_adapter`). It runs
+    through the engine's own wrapper: [FSDP2] the policy's root and units gather the base weights as for the policy's
+    forward; [ZeRO-3] DeepSpeed gathers them; [DDP] no gradient hooks are armed under no_grad. Call it before the
+    policy's forward of the same micro-batch, and reshard nothing in between: [FSDP2] the units kept gathered for
+    backward serve the policy's forward, and a reshard mid-step would drop what accumulation holds.
+
+    PEFT switches the adapters' `requires_grad` off and on again through the modules' attributes; under FSDP2 a unit
+    still gathered on exit (the last block, the root) has its gathered copy there, so its shards, the parameters the
+    optimizer steps and the adapter export selects, would stay frozen. Every parameter that required grad on entry
+    requires it again on exit. Engines: all."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    try:
+        with accelerator.unwrap_model(model).disable_adapter():
+            yield
+    finally:
+        for param in trainable:
+            param.requires_grad_(True)

@@ -9,6 +9,8 @@ tests/conftest.py's `launch` runs every recipe through it. What it always adds, 
                   + "data_cache_files_written_per_rank" (row or pair files each rank wrote: the main one only, 0 on
                     reuse)
                   + "tokenizer_calls_in_data_prep_per_rank" (the tokenizer's calls until the data was ready)
+                  + "causal_lms_built_per_rank" (zero_utils.model.load_causal_lm's calls before the first step
+                    ended: the policy, and a preference loss's frozen reference where the recipe builds one)
     probe_logits.safetensors  fp32 logits at the last position of --prompt (exports are checked against them)
 Switched on by the environment:
     ZERO_RECIPES_HARNESS_RECIPE          the recipe to run (default recipes/llama_zero3.py)
@@ -148,6 +150,12 @@ def _attach_probes() -> None:
     from zero_utils import checkpoint_storage, data, measurement, model, preference_data, tracking
 
     load_tokenizer = model.load_tokenizer
+    load_causal_lm = model.load_causal_lm
+    _seen["causal_lms_built"] = 0
+
+    def counted_load_causal_lm(*args, **kwargs):
+        _seen["causal_lms_built"] += 1
+        return load_causal_lm(*args, **kwargs)
 
     def recorded_tokenizer(*args, **kwargs):
         _seen["tokenizer"] = _counted(load_tokenizer(*args, **kwargs))
@@ -199,6 +207,7 @@ def _attach_probes() -> None:
                 accumulation_probe.after_micro_batch(self.model, self.optimizer)
 
         def end_step(self, *args, **kwargs):
+            _seen.setdefault("causal_lms_built_by_step_1", _seen["causal_lms_built"])
             if os.environ.get("ZERO_RECIPES_HARNESS_LOSS_PROBE") == "1":
                 loss_probe.stop()
             return super().end_step(*args, **kwargs)
@@ -215,6 +224,7 @@ def _attach_probes() -> None:
 
         reference_model.ReferenceModel.hold = classmethod(probed_hold)
     model.load_tokenizer = recorded_tokenizer
+    model.load_causal_lm = counted_load_causal_lm
     data.TrainingData = RecordedData
     preference_data.PreferenceData = RecordedPreferenceData
     measurement.RunMeasurements = RecordedMeasurements
@@ -272,6 +282,7 @@ def _evidence() -> dict:
         "data_cache_files_written_per_rank": gather_object([_seen["data"].info["cache_files_written"]
                                                             if "data" in _seen else None]),  # SFT rows, DPO pairs
         "tokenizer_calls_in_data_prep_per_rank": gather_object([_seen.get("tokenizer_calls_in_data_prep")]),
+        "causal_lms_built_per_rank": gather_object([_seen.get("causal_lms_built_by_step_1")]),
         "reference_probe_per_rank": gather_object([_seen["reference_probe"]]) if "reference_probe" in _seen else None,
         "data_prep_rss_anon_bytes_per_rank": gather_object([_seen.get("data_prep_rss_anon")]),
         "loss_probe_per_rank": gather_object([loss_probe.result()])

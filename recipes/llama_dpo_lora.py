@@ -1,0 +1,308 @@
+"""Preference tuning (DPO, IPO, SimPO) of a Llama-family causal LM with LoRA adapters (PEFT) under DDP, DeepSpeed
+ZeRO-3 or FSDP2. The reference is the policy's own forward with its adapters off: no second model is built or held
+(0 bytes, where llama_dpo.py's frozen copy takes 2 Psi / N sharded). This file is llama_dpo.py with every line that
+differs marked [LoRA].
+
+    accelerate launch --config_file accelerate_configs/fsdp2.yaml recipes/llama_dpo_lora.py    # FSDP2 = ZeRO-3
+    accelerate launch --config_file accelerate_configs/zero3.yaml recipes/llama_dpo_lora.py    # DeepSpeed ZeRO-3
+    accelerate launch --config_file accelerate_configs/ddp.yaml recipes/llama_dpo_lora.py      # DDP
+    # on a CPU-only machine, add --num_processes 2 (the YAMLs default to 8 GPUs):
+    accelerate launch --config_file accelerate_configs/fsdp2.yaml --num_processes 2 recipes/llama_dpo_lora.py
+
+Features, the flag that controls each, and its cost:
+    LoRA        --lora_r, --lora_alpha, --lora_dropout, --lora_target_modules ("all-linear" = every linear layer
+                of the blocks), as in llama_lora.py: only the adapters train, so gradients and optimizer state are
+                r-sized; the adapters are added before the engine shards the model, so every rank holds the same ones
+    reference   --reference model (sigmoid, ipo) | none (simpo): the starting model, which is the base with the
+                adapters off (they start at B = 0): each micro-batch's no-grad forward through the policy itself
+                inside PEFT's disable_adapter (zero_utils.reference_model.adapters_off), before the policy's forward;
+                one more forward per micro-batch [FSDP2, ZeRO-3: its all-gathers too], no memory held between steps
+    export      final/ = the PEFT adapter (PeftModel.from_pretrained reloads it on the base --model); --merge also
+                writes final/merged/, the base with the adapters merged in (a plain model), as in llama_lora.py
+    fit check   as in llama_dpo.py, counting only the adapters as trained and no reference bytes (python -m
+                zero_utils.memory --reference adapters --lora_fraction F gives the same estimate)
+    data, loss (--loss, --beta, --simpo_gamma, --sft_weight), batch, optimizer, loss chunks (--loss_chunk_tokens),
+                eval (eval_ prefixed metrics), checkpoint, waits (--wait_limit_s), FSDP2 (--fsdp_*), tracking,
+                presets (--config): as in llama_dpo.py
+Logged per step and on eval: loss, reward_chosen, reward_rejected, reward_margin, reward_accuracy, logps_chosen,
+logps_rejected. Outputs: --output_dir/{metrics.jsonl, summary.json, checkpoints/step_<N>/, final/ (adapter),
+final/merged/}.
+"""
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+from accelerate.utils import set_seed
+from peft import LoraConfig, get_peft_model  # [LoRA]
+from tqdm.auto import tqdm
+
+from zero_utils import distributed, tracking  # [LoRA] distributed: the adapter saved on the main process
+from zero_utils.accelerator import build_accelerator, close_and_exit
+from zero_utils.checkpoint import Checkpointer
+from zero_utils.cli import flag, run_recipe
+from zero_utils.data import DataSource
+from zero_utils.deepspeed_setup import zero3_init_disabled  # [LoRA] the merge builds the base whole
+from zero_utils.fit_check import check_fit
+from zero_utils.measurement import RunMeasurements, checkpoint_bytes
+from zero_utils.model import (  # [LoRA]
+    BUNDLED_MODEL,  # [LoRA]
+    count_parameters,  # [LoRA]
+    gather_trainable_state_dict,  # [LoRA]
+    greedy_answer,  # [LoRA]
+    load_causal_lm,  # [LoRA]
+    load_config,  # [LoRA]
+    load_tokenizer,  # [LoRA]
+)  # [LoRA]
+from zero_utils.optim import build_adamw, clip_gradients, describe_param_groups, lr_at, set_lr
+from zero_utils.parallelize import FSDPWrapping, after_prepare, parallelize
+from zero_utils.preference_data import BUNDLED_PREFERENCES, PreferenceData
+from zero_utils.preference_loss import (
+    LOSSES,
+    answer_log_probs,
+    averages_log_probs,
+    objective_sum,
+    pair_scores,
+    resolve,
+)
+from zero_utils.reference_model import adapters_off  # [LoRA] the reference: the policy with its adapters off
+from zero_utils.token_loss import TokenLosses
+
+
+# ---------------------------------------------------------------------------------------------- settings
+@dataclass
+class Settings:
+    model: str = flag(BUNDLED_MODEL, "Hub id or local folder of a causal LM (the base of the adapters)")  # [LoRA]
+    revision: str = flag("", "Hub revision (branch, tag or commit) of --model")
+    dataset: str = flag(BUNDLED_PREFERENCES, "Hub id, local file or folder of prompt/chosen/rejected pairs")
+    dataset_split: str = flag("", "TRAIN[,EVAL] split names, e.g. train_prefs,test_prefs (default: train; test)")
+    dataset_config: str = flag("", "configuration of a Hub data set")
+    dataset_revision: str = flag("", "Hub revision (branch, tag or commit) of --dataset")
+    columns: str = flag("", "rename columns, e.g. prompt=question,chosen=good,rejected=bad")
+    num_proc: int = flag(0, "processes that tokenize the pairs (0: the main process's CPUs, at most 8); same pairs "
+                         "for any", min=0)
+    output_dir: str = flag("runs/llama_dpo_lora", "where metrics, checkpoints and final/ go")  # [LoRA]
+    lora_r: int = flag(16, "LoRA rank", min=1)  # [LoRA]
+    lora_alpha: int = flag(32, "LoRA scaling numerator (scale = alpha / r)", min=1)  # [LoRA]
+    lora_dropout: float = flag(0.05, "dropout on the LoRA input", min=0.0)  # [LoRA]
+    lora_target_modules: str = flag("all-linear", "comma-separated module names, or all-linear")  # [LoRA]
+    merge: bool = flag(False, "also write final/merged: the base model with the adapters merged in")  # [LoRA]
+    loss: str = flag("sigmoid", "preference loss", choices=list(LOSSES))
+    beta: float = flag(0.0, "loss temperature; 0 = the loss's default (sigmoid, ipo: 0.1; simpo: 2.0)", min=0.0)
+    simpo_gamma: float = flag(1.0, "SimPO's target reward margin", min=0.0)
+    sft_weight: float = flag(0.0, "weight of the chosen answers' NLL per token added to the loss", min=0.0)
+    reference: str = flag("", "model (the base, adapters off) or none (default: model for sigmoid/ipo, none "  # [LoRA]
+                          "for simpo)")  # [LoRA]
+    max_steps: int = flag(150, "optimizer steps", min=1)
+    per_device_batch_size: int = flag(8, "pairs per process per micro-step (2 rows each)", min=1)
+    gradient_accumulation_steps: int = flag(1, "micro-steps per optimizer step", min=1)
+    seq_len: int = flag(128, "the most tokens of prompt + answer kept", min=8)
+    lr: float = flag(1e-3, "peak learning rate", min=0.0)
+    weight_decay: float = flag(0.0, "AdamW weight decay on matrices", min=0.0)
+    warmup_steps: int = flag(10, "linear warmup steps", min=0)
+    lr_schedule: str = flag("cosine", "decay after warmup", choices=["cosine", "constant"])
+    max_grad_norm: float = flag(1.0, "clip the global gradient norm to this", min=0.0)
+    loss_chunk_tokens: int = flag(1024, "tokens per chunk of the output head and loss (0 = whole logits)", min=0)
+    max_bad_steps: int = flag(0, "non-finite losses tolerated (their updates skipped) before the run stops", min=0)
+    seed: int = flag(42, "seed for init (base and adapters), data order and the eval split")  # [LoRA]
+    eval_fraction: float = flag(0.05, "fraction held out when the dataset has no eval split", min=0.0)
+    eval_every: int = flag(25, "eval every N steps (0 = only at the end)", min=0)
+    save_every: int = flag(0, "checkpoint every N steps (0 = only at the end)", min=0)
+    keep_last: int = flag(2, "checkpoints to keep", min=1)
+    collective_timeout_s: int = flag(1800, "a rank waiting this long on a dead peer fails the job", min=10)
+    wait_limit_s: int = flag(0, "longest wait for one process's work: data prep, download, rank-0 load, export "
+                             "(0 = no limit)", min=0)
+    resume: str = flag("", "'auto' (newest complete checkpoint in output_dir) or a checkpoint path")
+    overwrite: bool = flag(False, "allow an output_dir that already holds checkpoints")
+    report_to: str = flag("wandb", "wandb, none, or any accelerate tracker")
+    project: str = flag("zero-recipes", "tracker project name")
+    group: str = flag("", "tracker run group (W&B group), e.g. one comparison of engines")
+    attn_implementation: str = flag("", "sdpa (default), eager, flash_attention_2, ...")
+    trust_remote_code: bool = flag(False, "run the model repository's own Python code (only for repos you trust)")
+    gradient_checkpointing: bool = flag(False, "recompute each block's activations in backward (less memory)")
+    fsdp_reshard_last_block: bool = flag(FSDPWrapping.reshard_last_block, "FSDP2: reshard the last block after "
+                                         "forward too (less memory, one more all-gather)")
+    fsdp_embedding_group: bool = flag(FSDPWrapping.embedding_group, "FSDP2: the input embedding is its own unit "
+                                      "(else the root's, gathered all step)")
+    fsdp_prefetch_blocks: int = flag(FSDPWrapping.prefetch_blocks, "FSDP2: all-gathers of the next K blocks "
+                                     "started early (1 = implicit)", min=1)
+    prompt: str = flag("What is the capital of France?", "answered greedily at the end")
+    max_new_tokens: int = flag(24, "tokens generated for --prompt", min=0)
+    async_save: bool = flag(False, "FSDP2/DDP: write checkpoints in the background while training goes on")
+    device_memory: str = flag("", "memory per rank the fit check plans for: 80GB, 80GiB, 80e9 (default: the GPU's "
+                              "total; on CPU the available host memory / local processes)")
+    fit_check: bool = flag(True, "estimate the peak memory per rank before building the model; stop if it won't fit")
+
+
+def main(cfg: Settings) -> None:
+    beta, uses_reference = resolve(cfg.loss, cfg.beta, cfg.reference)  # a loss without its reference: one sentence
+    # ------------------------------------------------------------------------------ accelerator and engine
+    accelerator, engine = build_accelerator(  # the engine is what the YAML decided
+        per_device_batch_size=cfg.per_device_batch_size, gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        max_grad_norm=cfg.max_grad_norm, log_with=tracking.trackers_for(cfg.report_to), project_dir=cfg.output_dir,
+        timeout_s=cfg.collective_timeout_s, wait_limit_s=cfg.wait_limit_s)
+    world = accelerator.num_processes
+    checkpointer = Checkpointer(
+        accelerator, engine, cfg.output_dir, resume=cfg.resume, overwrite=cfg.overwrite, save_every=cfg.save_every,
+        keep_last=cfg.keep_last, max_steps=cfg.max_steps, async_save=cfg.async_save, seed=cfg.seed,
+        settings=asdict(cfg))
+
+    # ------------------------------------------------------------------------------ will it fit
+    model_config = load_config(cfg.model, cfg.trust_remote_code, cfg.revision)
+    lora_config = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,  # [LoRA]
+                             target_modules=_target_modules(cfg.lora_target_modules), task_type="CAUSAL_LM")  # [LoRA]
+    fit = check_fit(accelerator, engine, model_config, seq_len=cfg.seq_len,  # + the reference
+                    micro_batch_size=2 * cfg.per_device_batch_size,  # a pair is two rows
+                    activation_checkpointing=cfg.gradient_checkpointing, attn_implementation=cfg.attn_implementation,
+                    loss_chunk_tokens=cfg.loss_chunk_tokens, device_memory=cfg.device_memory, enabled=cfg.fit_check,
+                    trust_remote_code=cfg.trust_remote_code, lora_config=lora_config,  # [LoRA] adapters train
+                    reference="adapters" if uses_reference else "none")  # [LoRA] no reference bytes
+
+    # ------------------------------------------------------------------------------ data
+    tokenizer = load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code, revision=cfg.revision)
+    pairs = PreferenceData.prepare(  # tokenized once per job and kept; sliced per step into micro-batches of pairs
+        accelerator, tokenizer, model_config, columns=cfg.columns, seq_len=cfg.seq_len,
+        dataset=DataSource(cfg.dataset, cfg.dataset_split, cfg.dataset_config, cfg.dataset_revision),
+        eval_fraction=cfg.eval_fraction, seed=cfg.seed, per_device_batch_size=cfg.per_device_batch_size,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps, num_proc=cfg.num_proc)
+    checkpointer.check(model_config, pairs.global_batch_pairs)  # an incompatible checkpoint fails here
+
+    # ------------------------------------------------------------------------------ policy, parallelize, prepare
+    set_seed(cfg.seed)  # [LoRA] a config-only model's random init and the adapters' draw the same on every rank
+    model = load_causal_lm(cfg.model, accelerator=accelerator, attn_implementation=cfg.attn_implementation or None,
+                           trust_remote_code=cfg.trust_remote_code, revision=cfg.revision)
+    model = get_peft_model(model, lora_config)  # [LoRA] freezes the base, adds the adapters (before any sharding)
+    num_params = count_parameters(model, trainable_only=True)
+    frozen_params = count_parameters(model) - num_params  # [LoRA]
+    parallelize(model, accelerator, engine, activation_checkpointing=cfg.gradient_checkpointing,
+                fsdp=FSDPWrapping(cfg.fsdp_reshard_last_block, cfg.fsdp_embedding_group, cfg.fsdp_prefetch_blocks))
+    optimizer = build_adamw(model, cfg.lr, cfg.weight_decay)
+    param_groups = describe_param_groups(optimizer)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    after_prepare(model, accelerator, engine, None)  # [LoRA] no fp32-master restore: the adapters are new tensors
+    token_losses = TokenLosses(model, cfg.loss_chunk_tokens, pairs.ignore_index, accelerator)  # chunked head
+
+    run_config = {**asdict(cfg), "engine": engine.name, "world_size": world, "num_params": num_params, "beta": beta,
+                  "optimizer_param_groups": param_groups, "mixed_precision": accelerator.mixed_precision,
+                  "global_batch_pairs": pairs.global_batch_pairs, **fit.summary(),
+                  "data_sources": pairs.info.get("sources"), "frozen_params": frozen_params}  # [LoRA]
+    tracker = tracking.RunTracker(accelerator, cfg.output_dir, cfg.report_to, cfg.project, config=run_config,
+                                  run_name=f"{engine}-{world}x-{cfg.loss}", group=cfg.group or None,
+                                  resumed=checkpointer.resumed)
+    start_step = checkpointer.load(model, optimizer, hf_files=(accelerator.unwrap_model(model).config, tokenizer),
+                                   tracker_run_id=tracker.run_id)
+    meter = RunMeasurements(accelerator, engine, model, optimizer, tokens_per_step=pairs.tokens_per_step,
+                            max_bad_steps=cfg.max_bad_steps, newest_checkpoint=checkpointer.newest)
+    held = "the base, adapters off (no second model)" if uses_reference else "none"  # [LoRA]
+    accelerator.print(f"engine {engine} | {world} process(es) | {num_params / 1e6:.2f}M params | --loss {cfg.loss}, "
+                      f"beta {beta:g} | reference: {held} | mixed precision: {accelerator.mixed_precision}"
+                      + (f" | resumed at step {start_step}" if start_step else ""))
+    accelerator.print(pairs.describe())
+
+    def scores_of(micro):  # the pairs' losses and rewards: chosen rows first, then the rejected ones
+        average = averages_log_probs(cfg.loss)
+        answers = micro.labels != pairs.ignore_index  # [LoRA] moved up: the reference's forward comes first
+        ref = (None, None)  # [LoRA]
+        if uses_reference:  # [LoRA] first: the policy's units kept gathered for backward are not resharded after it
+            with torch.no_grad(), adapters_off(model, accelerator):  # [LoRA]
+                ref = answer_log_probs(-token_losses(model, micro), answers, average).chunk(2)  # [LoRA]
+        policy_losses = token_losses(model, micro)  # -log p of each answer token, (2 x pairs, seq_len)
+        policy = answer_log_probs(-policy_losses, answers, average).chunk(2)
+        scores = pair_scores(cfg.loss, beta, *policy, *ref, simpo_gamma=cfg.simpo_gamma)
+        chosen_nll = (policy_losses * answers)[: len(policy[0])].sum()  # for --sft_weight
+        return scores, chosen_nll
+
+    def eval_sums(batch):  # held-out pairs' sums (filler pairs weigh 0), for the eval_ metrics
+        micro, weights = batch
+        scores, _ = scores_of(micro)
+        return {**scores.sums(weights), "count": weights.sum()}
+
+    def evaluate(step):  # every --eval_every steps and at the end
+        due = step == cfg.max_steps or (cfg.eval_every and step % cfg.eval_every == 0)
+        return meter.eval_means(eval_sums, pairs.eval_batches()) if due and pairs.has_eval else None
+
+    # ------------------------------------------------------------------------------ training loop
+    model.train()
+    stopped, eval_metrics, last = False, None, None
+    progress = tqdm(range(start_step + 1, cfg.max_steps + 1), initial=start_step, total=cfg.max_steps,
+                    disable=not accelerator.is_main_process, desc=f"dpo [{engine}]")
+    for step in progress:
+        meter.start_step()
+        set_lr(optimizer, lr := lr_at(step, max_steps=cfg.max_steps, peak_lr=cfg.lr, warmup_steps=cfg.warmup_steps,
+                                      schedule=cfg.lr_schedule))
+        batches = pairs.step_batches(step)  # this rank's micro-batches, the global batch's pair and token counts
+        # the mean over the global batch's pairs, exact after accelerate's 1 / accumulation and the engines' rank mean
+        scale = world * cfg.gradient_accumulation_steps / batches.pairs
+        loss_sum, sums = torch.zeros((), device=accelerator.device), {}
+        for micro in batches.micro_batches:
+            with accelerator.accumulate(model), meter.micro_batch():
+                scores, chosen_nll = scores_of(micro)
+                micro_loss_sum = objective_sum(scores, chosen_nll, sft_weight=cfg.sft_weight,
+                                               global_pairs=batches.pairs, global_chosen_tokens=batches.chosen_tokens)
+                accelerator.backward(micro_loss_sum * scale)
+                loss_sum += micro_loss_sum.detach()
+                sums = {k: sums.get(k, 0) + v for k, v in scores.sums().items() if k != "loss"}
+        grad_norm = clip_gradients(accelerator, model, cfg.max_grad_norm)
+        result = meter.end_step(step, lr=lr, loss_sum=loss_sum, loss_tokens=batches.pairs, grad_norm=grad_norm,
+                                extra_sums=sums)  # rewards and log-probs: means over the global batch's pairs
+        if result.skipped:
+            optimizer.zero_grad()
+            continue
+        optimizer.step()
+        optimizer.zero_grad()
+        eval_metrics = evaluate(step)
+        tracker.log_step(result, eval_metrics=eval_metrics)
+        last = result
+        progress.set_postfix(loss=f"{result.loss:.3f}", acc=f"{result.means['reward_accuracy']:.2f}")
+        if stopped := checkpointer.save(step, stop=result.stop):
+            break
+    progress.close()
+
+    # ------------------------------------------------------------------------------ export, answer, summary
+    if not stopped:
+        final_checkpoint = checkpointer.latest()  # [LoRA] the full training state; final/ is the adapter
+        # [LoRA] the adapter: only the trainable tensors are gathered, one at a time (the frozen base never is)
+        adapter_state = gather_trainable_state_dict(model, accelerator)  # [LoRA]
+
+        def save_adapter_and_merge():  # [LoRA] on the main process alone: no DeepSpeed zero.Init (a collective) here
+            final = f"{cfg.output_dir}/final"  # [LoRA]
+            accelerator.unwrap_model(model).save_pretrained(final, state_dict=adapter_state)  # [LoRA]
+            tokenizer.save_pretrained(final)  # [LoRA]
+            if cfg.merge:  # [LoRA] the base from disk plus the adapters
+                with zero3_init_disabled(accelerator):  # [LoRA]
+                    merged = get_peft_model(load_causal_lm(cfg.model, revision=cfg.revision), lora_config)  # [LoRA]
+                if merged.load_state_dict(adapter_state, strict=False).unexpected_keys:  # [LoRA]
+                    raise RuntimeError("the adapter's tensor names do not match the merged model's")  # [LoRA]
+                merged.merge_and_unload().save_pretrained(f"{cfg.output_dir}/final/merged")  # [LoRA]
+                tokenizer.save_pretrained(f"{cfg.output_dir}/final/merged")  # [LoRA]
+
+        # [LoRA] the other ranks wait outside any collective: a long merge is not cut off by --collective_timeout_s.
+        distributed.run_on_main_process(accelerator, save_adapter_and_merge)  # [LoRA]
+        answer = greedy_answer(model, tokenizer, cfg.prompt, cfg.max_new_tokens, accelerator.device)
+        summary = {
+            "engine": engine.name, "world_size": world, "mixed_precision": accelerator.mixed_precision,
+            "steps": cfg.max_steps, "loss_type": cfg.loss, "beta": beta, "final_loss": last.loss if last else None,
+            **(last.means if last else {}), **{f"eval_{k}": v for k, v in (eval_metrics or {}).items()},
+            "eval_loss": (eval_metrics or {}).get("loss"), "perplexity": None, **meter.summary(), **fit.summary(),
+            "reference_state_bytes": 0 if uses_reference else None,  # [LoRA] adapters off: no second model
+            "frozen_params": frozen_params,  # [LoRA]
+            "num_params": num_params, "global_batch_pairs": pairs.global_batch_pairs,  # [LoRA]
+            "seq_len": cfg.seq_len, "data": pairs.info, "optimizer_param_groups": param_groups, "prompt": cfg.prompt,
+            "answer": answer, "group": cfg.group or None, "checkpoint": str(final_checkpoint),
+            "checkpoint_bytes": checkpoint_bytes(final_checkpoint),
+        }
+        tracker.write_summary(summary)
+        accelerator.print(f"\n{cfg.prompt!r} -> {answer!r}")
+        accelerator.print(tracking.summary_table({**summary, "eval_loss": summary["eval_loss"]}))
+        if math.isfinite(summary.get("eval_reward_accuracy") or math.nan):
+            accelerator.print(f"held-out reward accuracy {summary['eval_reward_accuracy']:.3f}, margin "
+                              f"{summary['eval_reward_margin']:.3f}")
+    close_and_exit(accelerator)
+
+
+def _target_modules(spec: str):  # [LoRA]
+    return spec if spec == "all-linear" else [name.strip() for name in spec.split(",") if name.strip()]  # [LoRA]
+
+
+if __name__ == "__main__":
+    run_recipe(main, Settings, __doc__)
