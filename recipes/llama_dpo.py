@@ -19,15 +19,18 @@ Features, the flag that controls each, and its cost:
     loss        --loss sigmoid (DPO) | ipo | simpo, --beta (0 = the loss's default), --simpo_gamma, --sft_weight
                 (+ the chosen answers' NLL per token); the mean over the global batch's pairs, so processes and
                 accumulation never change the maths (zero_utils/preference_loss.py cites each paper)
-    reference   --reference model (sigmoid, ipo) | none (simpo): a frozen copy of the starting weights in the
-                compute dtype, sharded like the policy under ZeRO-3 and FSDP2 (2 Psi / N bytes in bf16), a replica
-                under DDP and ZeRO-1/2 (2 Psi); one more forward per micro-batch; checked equal to the policy by
-                digest at the start and at the end (one gather of each model); rebuilt on resume, never saved (a
-                resume must name the checkpoint's --model)
+    reference   --reference model (sigmoid, ipo) | precomputed (sigmoid, ipo) | none (simpo). model: a frozen
+                copy of the starting weights in the compute dtype, sharded like the policy under ZeRO-3 and FSDP2
+                (2 Psi / N bytes in bf16), a replica under DDP and ZeRO-1/2 (2 Psi); one more forward per
+                micro-batch; checked equal to the policy by digest at the start and at the end (one gather of each
+                model); rebuilt on resume, never saved (a resume must name the checkpoint's --model).
+                precomputed: the same copy scores every pair once before the policy is built and is freed (training
+                holds 8 bytes per pair of it); the log-probs are kept with the prepared pairs and reused by a
+                relaunch or a resume (zero_utils/reference_logps.py); no forward of it per micro-batch
     flow        SFT with llama_zero3.py, then --model runs/llama_zero3/final (README: Preference tuning)
     batch       --per_device_batch_size pairs (2x rows) x --gradient_accumulation_steps x processes = global batch
     fit check   as in llama_zero3.py at 2 rows per pair, with the reference's bytes (python -m zero_utils.memory
-                --reference model gives the same estimate)
+                --reference model|precomputed gives the same estimate)
     optimizer, loss chunks (--loss_chunk_tokens), eval (eval_ prefixed metrics), checkpoint, waits
                 (--wait_limit_s), FSDP2 (--fsdp_*), tracking, presets (--config): as in llama_zero3.py
 Logged per step and on eval: loss, reward_chosen, reward_rejected, reward_margin, reward_accuracy, logps_chosen,
@@ -60,6 +63,7 @@ from zero_utils.preference_loss import (
     pair_scores,
     resolve,
 )
+from zero_utils.reference_logps import PrecomputedReference
 from zero_utils.reference_model import ReferenceModel
 from zero_utils.token_loss import TokenLosses
 
@@ -81,7 +85,7 @@ class Settings:
     beta: float = flag(0.0, "loss temperature; 0 = the loss's default (sigmoid, ipo: 0.1; simpo: 2.0)", min=0.0)
     simpo_gamma: float = flag(1.0, "SimPO's target reward margin", min=0.0)
     sft_weight: float = flag(0.0, "weight of the chosen answers' NLL per token added to the loss", min=0.0)
-    reference: str = flag("", "model or none (default: model for sigmoid/ipo, none for simpo)")
+    reference: str = flag("", "model, precomputed or none (default: model for sigmoid/ipo, none for simpo)")
     max_steps: int = flag(150, "optimizer steps", min=1)
     per_device_batch_size: int = flag(8, "pairs per process per micro-step (2 rows each)", min=1)
     gradient_accumulation_steps: int = flag(1, "micro-steps per optimizer step", min=1)
@@ -124,7 +128,7 @@ class Settings:
 
 
 def main(cfg: Settings) -> None:
-    beta, uses_reference = resolve(cfg.loss, cfg.beta, cfg.reference)  # a loss without its reference: one sentence
+    beta, reference_mode = resolve(cfg.loss, cfg.beta, cfg.reference)  # a loss without its reference: one sentence
     # ------------------------------------------------------------------------------ accelerator and engine
     accelerator, engine = build_accelerator(  # the engine is what the YAML decided
         per_device_batch_size=cfg.per_device_batch_size, gradient_accumulation_steps=cfg.gradient_accumulation_steps,
@@ -142,7 +146,7 @@ def main(cfg: Settings) -> None:
                     micro_batch_size=2 * cfg.per_device_batch_size,  # a pair is two rows
                     activation_checkpointing=cfg.gradient_checkpointing, attn_implementation=cfg.attn_implementation,
                     loss_chunk_tokens=cfg.loss_chunk_tokens, device_memory=cfg.device_memory, enabled=cfg.fit_check,
-                    trust_remote_code=cfg.trust_remote_code, reference="model" if uses_reference else "none")
+                    trust_remote_code=cfg.trust_remote_code, reference=reference_mode)
 
     # ------------------------------------------------------------------------------ data
     tokenizer = load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code, revision=cfg.revision)
@@ -152,6 +156,19 @@ def main(cfg: Settings) -> None:
         eval_fraction=cfg.eval_fraction, seed=cfg.seed, per_device_batch_size=cfg.per_device_batch_size,
         gradient_accumulation_steps=cfg.gradient_accumulation_steps, num_proc=cfg.num_proc)
     checkpointer.check(model_config, pairs.global_batch_pairs)  # an incompatible checkpoint fails here
+
+    # ------------------------------------------------------------------------------ reference
+    def hold_reference():  # the starting weights again (a config-only model: the same seed), frozen, engine-sharded
+        set_seed(cfg.seed)
+        return ReferenceModel.hold(
+            load_causal_lm(cfg.model, accelerator=accelerator, attn_implementation=cfg.attn_implementation or None,
+                           trust_remote_code=cfg.trust_remote_code, revision=cfg.revision), accelerator, engine,
+            cfg.loss_chunk_tokens)
+
+    reference = None
+    if reference_mode == "precomputed":  # one pass over every pair before the policy exists, then freed
+        reference = PrecomputedReference.prepare(accelerator, pairs, hold_reference, model=cfg.model,
+                                                 revision=cfg.revision, attn_implementation=cfg.attn_implementation)
 
     # ------------------------------------------------------------------------------ policy, parallelize, prepare
     set_seed(cfg.seed)  # the policy's and the reference's random init (a config-only model) draw the same weights
@@ -166,14 +183,8 @@ def main(cfg: Settings) -> None:
     after_prepare(model, accelerator, engine, cfg.model, cfg.revision)  # [DeepSpeed] fp32 master from the weights
     token_losses = TokenLosses(model, cfg.loss_chunk_tokens, pairs.ignore_index, accelerator)  # chunked head
 
-    # ------------------------------------------------------------------------------ reference
-    reference = reference_losses = None
-    if uses_reference:
-        set_seed(cfg.seed)
-        reference = ReferenceModel.hold(  # sharded like the policy under ZeRO-3/FSDP2, a replica otherwise
-            load_causal_lm(cfg.model, accelerator=accelerator, attn_implementation=cfg.attn_implementation or None,
-                           trust_remote_code=cfg.trust_remote_code, revision=cfg.revision), accelerator, engine)
-        reference_losses = TokenLosses(reference.module, cfg.loss_chunk_tokens, pairs.ignore_index, accelerator)
+    if reference_mode == "model":
+        reference = hold_reference()  # sharded like the policy under ZeRO-3/FSDP2, a replica otherwise
     reference_digest = reference.check_equals(model) if reference else None  # before any update (and on resume)
 
     run_config = {**asdict(cfg), "engine": engine.name, "world_size": world, "num_params": num_params, "beta": beta,
@@ -187,21 +198,17 @@ def main(cfg: Settings) -> None:
                                    tracker_run_id=tracker.run_id)
     meter = RunMeasurements(accelerator, engine, model, optimizer, tokens_per_step=pairs.tokens_per_step,
                             max_bad_steps=cfg.max_bad_steps, newest_checkpoint=checkpointer.newest)
-    held = f"{reference.expected_state_bytes() / 1e6:.1f} MB per rank (expected)" if reference else "none"
     accelerator.print(f"engine {engine} | {world} process(es) | {num_params / 1e6:.2f}M params | --loss {cfg.loss}, "
-                      f"beta {beta:g} | reference: {held} | mixed precision: {accelerator.mixed_precision}"
+                      f"beta {beta:g} | --reference {reference_mode} | mixed precision: {accelerator.mixed_precision}"
                       + (f" | resumed at step {start_step}" if start_step else ""))
-    accelerator.print(pairs.describe())
+    accelerator.print(pairs.describe() + (f"\n{reference.describe()}" if reference else ""))  # what it costs
 
     def scores_of(micro):  # the pairs' losses and rewards: chosen rows first, then the rejected ones
         average = averages_log_probs(cfg.loss)
         policy_losses = token_losses(model, micro)  # -log p of each answer token, (2 x pairs, seq_len)
         answers = micro.labels != pairs.ignore_index
         policy = answer_log_probs(-policy_losses, answers, average).chunk(2)
-        ref = (None, None)
-        if reference:
-            with torch.no_grad():
-                ref = answer_log_probs(-reference_losses(reference.module, micro), answers, average).chunk(2)
+        ref = reference.answer_log_probs(micro, answers, average).chunk(2) if reference else (None, None)
         scores = pair_scores(cfg.loss, beta, *policy, *ref, simpo_gamma=cfg.simpo_gamma)
         chosen_nll = (policy_losses * answers)[: len(policy[0])].sum()  # for --sft_weight
         return scores, chosen_nll
@@ -261,7 +268,8 @@ def main(cfg: Settings) -> None:
             "steps": cfg.max_steps, "loss_type": cfg.loss, "beta": beta, "final_loss": last.loss if last else None,
             **(last.means if last else {}), **{f"eval_{k}": v for k, v in (eval_metrics or {}).items()},
             "eval_loss": (eval_metrics or {}).get("loss"), "perplexity": None, **meter.summary(), **fit.summary(),
-            "reference_state_bytes": reference.measured_state_bytes(accelerator) if reference else None,
+            "reference": reference_mode, "reference_logps": reference.summary() if reference_mode == "precomputed"
+            else None, "reference_state_bytes": reference.measured_state_bytes(accelerator) if reference else None,
             "reference_state_bytes_expected": reference.expected_state_bytes() if reference else None,
             "reference_digest_start": reference_digest, "reference_digest_end": reference.digest() if reference
             else None, "num_params": num_params, "global_batch_pairs": pairs.global_batch_pairs,

@@ -135,7 +135,7 @@ class Settings:
 
 
 def main(cfg: Settings) -> None:
-    beta, uses_reference = resolve(cfg.loss, cfg.beta, cfg.reference)  # a loss without its reference: one sentence
+    beta, reference_mode = resolve(cfg.loss, cfg.beta, cfg.reference, lora=True)  # [LoRA] precomputed: refused
     # ------------------------------------------------------------------------------ accelerator and engine
     accelerator, engine = build_accelerator(  # the engine is what the YAML decided
         per_device_batch_size=cfg.per_device_batch_size, gradient_accumulation_steps=cfg.gradient_accumulation_steps,
@@ -156,7 +156,7 @@ def main(cfg: Settings) -> None:
                     activation_checkpointing=cfg.gradient_checkpointing, attn_implementation=cfg.attn_implementation,
                     loss_chunk_tokens=cfg.loss_chunk_tokens, device_memory=cfg.device_memory, enabled=cfg.fit_check,
                     trust_remote_code=cfg.trust_remote_code, lora_config=lora_config,  # [LoRA] adapters train
-                    reference="adapters" if uses_reference else "none")  # [LoRA] no reference bytes
+                    reference="adapters" if reference_mode == "model" else "none")  # [LoRA] no reference bytes
 
     # ------------------------------------------------------------------------------ data
     tokenizer = load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code, revision=cfg.revision)
@@ -193,17 +193,17 @@ def main(cfg: Settings) -> None:
                                    tracker_run_id=tracker.run_id)
     meter = RunMeasurements(accelerator, engine, model, optimizer, tokens_per_step=pairs.tokens_per_step,
                             max_bad_steps=cfg.max_bad_steps, newest_checkpoint=checkpointer.newest)
-    held = "the base, adapters off (no second model)" if uses_reference else "none"  # [LoRA]
     accelerator.print(f"engine {engine} | {world} process(es) | {num_params / 1e6:.2f}M params | --loss {cfg.loss}, "
-                      f"beta {beta:g} | reference: {held} | mixed precision: {accelerator.mixed_precision}"
+                      f"beta {beta:g} | --reference {reference_mode} | mixed precision: {accelerator.mixed_precision}"
                       + (f" | resumed at step {start_step}" if start_step else ""))
-    accelerator.print(pairs.describe())
+    held = "\nreference: the base, adapters off (no second model: 0 bytes), one more forward per micro-batch"  # [LoRA]
+    accelerator.print(pairs.describe() + (held if reference_mode == "model" else ""))  # [LoRA] what it costs
 
     def scores_of(micro):  # the pairs' losses and rewards: chosen rows first, then the rejected ones
         average = averages_log_probs(cfg.loss)
         answers = micro.labels != pairs.ignore_index  # [LoRA] moved up: the reference's forward comes first
         ref = (None, None)  # [LoRA]
-        if uses_reference:  # [LoRA] first: the policy's units kept gathered for backward are not resharded after it
+        if reference_mode == "model":  # [LoRA] first: the policy's units kept gathered for backward stay so
             with torch.no_grad(), adapters_off(model, accelerator):  # [LoRA]
                 ref = answer_log_probs(-token_losses(model, micro), answers, average).chunk(2)  # [LoRA]
         policy_losses = token_losses(model, micro)  # -log p of each answer token, (2 x pairs, seq_len)
@@ -284,7 +284,7 @@ def main(cfg: Settings) -> None:
             "steps": cfg.max_steps, "loss_type": cfg.loss, "beta": beta, "final_loss": last.loss if last else None,
             **(last.means if last else {}), **{f"eval_{k}": v for k, v in (eval_metrics or {}).items()},
             "eval_loss": (eval_metrics or {}).get("loss"), "perplexity": None, **meter.summary(), **fit.summary(),
-            "reference_state_bytes": 0 if uses_reference else None,  # [LoRA] adapters off: no second model
+            "reference": reference_mode, "reference_state_bytes": 0 if reference_mode == "model" else None,  # [LoRA]
             "frozen_params": frozen_params,  # [LoRA]
             "num_params": num_params, "global_batch_pairs": pairs.global_batch_pairs,  # [LoRA]
             "seq_len": cfg.seq_len, "data": pairs.info, "optimizer_param_groups": param_groups, "prompt": cfg.prompt,

@@ -90,7 +90,7 @@ LAYERS = [
      "token_loss"},
     {"model", "checkpoint_export", "reference_model", "prepared_pairs", "prepared_mixture"},
     {"data"},
-    {"parallelize", "memory_estimate", "checkpoint", "preference_data"},
+    {"parallelize", "memory_estimate", "checkpoint", "preference_data", "reference_logps"},
     {"memory", "tracking", "fit_check", "recipe_copy"},
     {"compare", "__main__"},
 ]
@@ -282,8 +282,8 @@ def test_recipe_reads_as_components(recipe):
     """The recipe's shape as docs/ARCHITECTURE.md states it: a loop of at most 30 lines; no engine tested in it
     (engine-specific steps live in zero_utils.parallelize); an incompatible checkpoint refused before the model is
     loaded; the fit check made before the data is prepared and the model built; the full recipe imports at most 11
-    zero_utils modules (the LoRA one at most 3 more, on [LoRA] lines; the DPO one 3 more: its data, loss and
-    reference; the LoRA-DPO one at most 3 more than the DPO one, on [LoRA] lines)."""
+    zero_utils modules (the LoRA one at most 3 more, on [LoRA] lines; the DPO one 4 more: its data, loss and
+    reference, held or precomputed; the LoRA-DPO one at most 3 more than the DPO one, on [LoRA] lines)."""
     tree = ast.parse((REPO / recipe).read_text())
     main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
     loop = next(n for n in ast.walk(main) if isinstance(n, ast.For) and getattr(n.target, "id", "") == "step")
@@ -303,7 +303,7 @@ def test_recipe_reads_as_components(recipe):
     base = MARKED.get(recipe, "recipes/llama_zero3.py")
     extra = zero_utils_imports(REPO / recipe) - zero_utils_imports(REPO / base)
     if recipe.endswith("llama_dpo.py"):
-        assert extra == {"preference_data", "preference_loss", "reference_model"}, extra
+        assert extra == {"preference_data", "preference_loss", "reference_model", "reference_logps"}, extra
         return
     marked = [line for line in (REPO / recipe).read_text().splitlines() if line.startswith("from zero_utils")
               and "[LoRA]" in line]

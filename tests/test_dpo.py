@@ -7,6 +7,7 @@ costs what its formula says; FSDP2 gathers at most two of its units at once; the
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -60,8 +61,14 @@ def test_sft_weight_adds_the_chosen_nll_per_chosen_token_of_the_global_batch():
 
 
 def test_reference_and_beta_follow_the_loss():
-    assert resolve("sigmoid", 0.0, "") == (0.1, True) and resolve("simpo", 0.0, "") == (2.0, False)
-    assert resolve("ipo", 0.3, "model") == (0.3, True)
+    assert resolve("sigmoid", 0.0, "") == (0.1, "model") and resolve("simpo", 0.0, "") == (2.0, "none")
+    assert resolve("ipo", 0.3, "model") == (0.3, "model")
+    assert resolve("sigmoid", 0.0, "precomputed") == (0.1, "precomputed")
+    with pytest.raises(UserError, match="--loss simpo is reference-free: drop --reference precomputed"):
+        resolve("simpo", 0.0, "precomputed")
+    with pytest.raises(UserError, match="^--reference precomputed frees a frozen copy of the model, but this recipe's "
+                                        "reference is the base with its adapters off"):
+        resolve("sigmoid", 0.0, "precomputed", lora=True)
     with pytest.raises(UserError, match="--loss sigmoid compares the policy with a reference model: drop "
                                         "--reference none"):
         resolve("sigmoid", 0.0, "none")
@@ -132,6 +139,48 @@ def test_a_pairs_answers_share_a_micro_batch_chosen_rows_first(tokenizer):
     assert eval_counts == [[[1.0], [1.0]], [[1.0], [0.0]]]  # as many batches on each rank; a filler weighs 0
 
 
+def test_precomputed_log_probs_reach_each_micro_batch_by_pair_and_average_as_the_loss_does(tokenizer):
+    """In a process, 2 ranks' views of 5 pairs with precomputed log-probs (pair i: chosen -i, rejected -10 - i): every
+    micro-batch of a step, of eval and of the strided pass carries its own pairs' values, chosen rows first; the
+    averaged form (ipo) is the stored sum over each row's answer tokens, as preference_loss.answer_log_probs takes
+    the mean of token log-probs."""
+    from datasets import Dataset
+
+    from zero_utils.preference_data import PreferenceData
+    from zero_utils.preference_examples import tokenize_pair
+    from zero_utils.reference_logps import PrecomputedReference
+    from zero_utils.sft_examples import IGNORE_INDEX
+
+    raw = [("Spell the word tiger.", "t-i-g-e-r", "tiger"), ("Write the number 7 in words.", "seven", "7"),
+           ("What color is snow?", "Snow is white.", "Snow is black."), ("Add 2 and 3.", "2 plus 3 is 5.", "23"),
+           ("Name a fruit.", "An apple.", "A chair.")]
+    pairs = [tokenize_pair(tokenizer, *r, 64) for r in raw]
+    stored = Dataset.from_list([{**p, "chosen_tokens": sum(x != IGNORE_INDEX for x in p["chosen_labels"]),
+                                 "tokens": len(p["chosen_ids"]) + len(p["rejected_ids"])} for p in pairs])
+    logps = torch.tensor([[-float(i), -10.0 - i] for i in range(5)])
+    for rank in (0, 1):
+        data = PreferenceData(stored, stored, {}, per_device_batch_size=1, gradient_accumulation_steps=2, seed=0,
+                              pad_token_id=3, rank=rank, world_size=2, device=torch.device("cpu"))
+        data.attach_reference_logps(logps, logps)
+        micro_batches = [*data.step_batches(1).micro_batches, *(m for m, _ in data.eval_batches()),
+                         *(m for m, _ in data.strided_batches("train"))]
+        for micro in micro_batches:
+            chosen = micro.inputs["input_ids"][0][micro.inputs["attention_mask"][0].bool()].tolist()
+            i = next(k for k, p in enumerate(pairs) if p["chosen_ids"] == chosen)
+            assert micro.reference_logps.tolist() == [-float(i), -10.0 - i]
+    token_logps = torch.tensor([[-1.0, -3.0, 0.0], [-4.0, -2.0, -6.0]])
+    answers = torch.tensor([[True, True, False], [True, True, True]])
+
+    class Micro:
+        reference_logps = answer_log_probs(token_logps, answers, average=False)
+
+    precomputed = PrecomputedReference("digest", torch.float32, Path("x"), 5, reused=True, seconds=0.0,
+                                       pass_state_bytes=0, built=False)
+    assert precomputed.answer_log_probs(Micro, answers, average=True).tolist() == \
+        answer_log_probs(token_logps, answers, average=True).tolist() == [-2.0, -4.0]
+    assert precomputed.answer_log_probs(Micro, answers, average=False).tolist() == [-4.0, -12.0]
+
+
 def test_a_set_without_pair_columns_names_the_ones_it_has():
     from zero_utils.preference_examples import pair_layout, parse_pair_columns
 
@@ -197,12 +246,14 @@ PROBED = {"fsdp2", "fsdp2_zero2"}  # the reference's gathered parameters recorde
 @pytest.fixture(scope="module")
 def dpo_run(runs, session_root):
     """`dpo_run(config, mixed_precision="no", world=2, batch=4, accumulation=1)`: 4 DPO steps (sigmoid) on the
-    bundled model and pairs, a global batch of 8 pairs; config None = one process without an accelerate config."""
+    bundled model and pairs, a global batch of 8 pairs; config None = one process without an accelerate config.
+    Probes (tests/scripts/harness.py): the live tensor bytes at the end of step 1; the reference's gathered
+    parameters and weak references under FSDP2 and ZeRO-3."""
     from conftest import isolated_env
 
     def get(config, mixed_precision="no", world=2, batch=4, accumulation=1):
-        env = {**isolated_env(session_root), **({"ZERO_RECIPES_HARNESS_REFERENCE_PROBE": "1"}
-                                                if config in PROBED else {})}
+        env = {**isolated_env(session_root), "ZERO_RECIPES_HARNESS_LIVE_TENSORS": "1",
+               **({"ZERO_RECIPES_HARNESS_REFERENCE_PROBE": "1"} if config in PROBED | {"zero3"} else {})}
         name = f"dpo-{config or 'single'}-{mixed_precision}-{world}x{batch}x{accumulation}"
         return runs(name, *FOUR_STEPS, "--per_device_batch_size", str(batch), "--gradient_accumulation_steps",
                     str(accumulation), recipe=DPO, config=config, num_processes=world,
@@ -347,6 +398,83 @@ def test_bf16_as_shipped_starts_at_ln2(dpo_run):
     assert summary["mixed_precision"] == "bf16"
     assert summary["reference_state_bytes"] == pytest.approx(summary["reference_state_bytes_expected"], rel=0.01)
     assert summary["reference_state_bytes_expected"] == -(-2 * summary["num_params"] // 2)
+
+
+@pytest.fixture(scope="module")
+def precomputed_run(runs, session_root):
+    """`precomputed_run(config, again=False)`: dpo_run's fp32 twin (same flags) with --reference precomputed. FSDP2
+    on the session's datasets cache (its relaunch, `again`, too), ZeRO-3 and DDP each on a cache of their own, so
+    each computes its log-probs itself; the same probes as the twins."""
+    from conftest import isolated_env
+
+    def get(config, again=False):
+        root = session_root if config == "fsdp2" else session_root / f"dpo-precomputed-{config}-cache"
+        env = {**isolated_env(root), "ZERO_RECIPES_HARNESS_LIVE_TENSORS": "1",
+               "ZERO_RECIPES_HARNESS_REFERENCE_PROBE": "1"}
+        return runs(f"dpo-precomputed-{config}{'-again' if again else ''}", *FOUR_STEPS, "--per_device_batch_size",
+                    "4", "--gradient_accumulation_steps", "1", "--reference", "precomputed", recipe=DPO,
+                    config=config, mixed_precision="no", env=env).check()
+    return get
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["fsdp2", "zero3", "ddp"])
+def test_a_precomputed_reference_trains_as_the_held_one(dpo_run, precomputed_run, config):
+    """fp32, 2 ranks: the reference's log-probs of every pair computed once before the policy exists train the
+    same losses, rewards and final weights as the reference held all run (`--reference model`, dpo_run's twin), to
+    the engines' reduction-order tolerances; the pass ran (computed, not reused) and its copy was built from the
+    same starting weights (the recipe checks the policy's digest against the one stored with the log-probs)."""
+    from safetensors.torch import load_file
+    from test_zero_math import LOSS_RTOL, WEIGHT_ATOL
+
+    held, precomputed = dpo_run(config), precomputed_run(config)
+    for key in ("loss", "reward_chosen", "reward_margin", "logps_chosen"):
+        assert [m[key] for m in precomputed.metrics()] == pytest.approx([m[key] for m in held.metrics()],
+                                                                      rel=LOSS_RTOL, abs=1e-6), key
+    assert held.metrics()[-1]["reward_margin"] > 0  # trained: the comparison is not of zeros
+    summary = precomputed.summary()
+    assert summary["reference"] == "precomputed" and summary["reference_logps"]["reused"] is False
+    assert summary["reference_digest_start"] == held.summary()["reference_digest_start"]
+    assert "precomputed in" in precomputed.output and "freed before the policy was built" in precomputed.output
+    weights = [load_file(run.output_dir / "final" / "model.safetensors") for run in (held, precomputed)]
+    assert weights[0].keys() == weights[1].keys()
+    for name, tensor in weights[0].items():
+        torch.testing.assert_close(weights[1][name], tensor, rtol=0, atol=WEIGHT_ATOL, msg=name)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["fsdp2", "zero3"])
+def test_the_precomputed_reference_is_freed_before_training(dpo_run, precomputed_run, config):
+    """Weak references to every tensor of the reference (its parameters; FSDP2: their local shards; ZeRO-3: their
+    `ds_tensor` partitions), taken when it was built: all dead at the end of step 1 with --reference precomputed, all
+    alive with --reference model (the probe sees them). What is alive, a gc walk over the tensors' storages at the
+    end of step 1: less by the held reference's expected bytes (4 Psi / 2), less the 8 bytes a pair of log-probs
+    kept instead, within 1%."""
+    held, precomputed = dpo_run(config).summary(), precomputed_run(config).summary()
+    for probe in precomputed["reference_probe_per_rank"]:
+        assert probe["tensors"] > 0 and probe["alive_after_step_1"] == 0, probe
+    for probe in held["reference_probe_per_rank"]:
+        assert probe["alive_after_step_1"] == probe["tensors"] > 0, probe
+    freed = held["reference_state_bytes_expected"] - precomputed["reference_state_bytes_expected"]
+    assert precomputed["reference_state_bytes_expected"] == 8 * 2000  # 1,900 train + 100 eval pairs
+    for with_model, without in zip(held["live_tensor_bytes_per_rank"], precomputed["live_tensor_bytes_per_rank"],
+                                   strict=True):
+        assert with_model - without == pytest.approx(freed, rel=0.01)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_relaunch_reads_the_precomputed_log_probs(precomputed_run):
+    """The same flags launched again on the same datasets cache: the file of log-probs is found by its key and read
+    (no pass ran: the reference held nothing), and the run trains exactly as the first did."""
+    first, again = precomputed_run("fsdp2"), precomputed_run("fsdp2", again=True)
+    stored = first.summary()["reference_logps"]
+    found = again.summary()["reference_logps"]
+    assert found["reused"] is True and found["path"] == stored["path"] and found["pass_state_bytes"] == 0
+    assert "precomputed log-probs of 2000 pairs reused from" in again.output
+    assert [m["loss"] for m in again.metrics()] == [m["loss"] for m in first.metrics()]
 
 
 @pytest.mark.distributed

@@ -284,3 +284,24 @@ def test_a_lora_policy_as_its_own_reference_adds_nothing_and_needs_its_adapters(
     assert " + reference (adapters off) 0.00 MB + " in printed[0] and "LoRA" in printed[0]
     assert with_adapters.summary()["fit_check"]["reference_bytes"] == 0
 
+
+def test_a_precomputed_reference_holds_nothing_during_training(capsys):
+    """`--reference precomputed` (recipes/llama_dpo.py): the copy is freed before training, so every engine's total
+    is that of `--reference none` and the reference column reads 0, with a note; the DPO fit check prints the term as
+    0 and plans the bytes of the run without a reference."""
+    sizes = ["--params", "8B", "--hidden_size", str(H), "--num_layers", str(L), "--vocab_size", str(V),
+             "--intermediate_size", str(FFN), "--num_gpus", "8"]
+    rows = {}
+    for reference in ("none", "precomputed"):
+        assert memory.main([*sizes, "--json", "--reference", reference]) == 0
+        rows[reference] = {r["engine"]: r for r in json.loads(capsys.readouterr().out)["engines"]}
+    for engine, without in rows["none"].items():
+        assert rows["precomputed"][engine]["reference_bytes"] == 0, engine
+        assert rows["precomputed"][engine]["total_bytes"] == without["total_bytes"] > 0, engine
+    assert memory.main([*sizes, "--reference", "precomputed"]) == 0
+    assert "reference: precomputed (recipes/llama_dpo.py --reference precomputed)" in capsys.readouterr().out
+    plain, _ = check_bundled(device_memory="1TB")
+    precomputed, printed = check_bundled(device_memory="1TB", reference="precomputed")
+    assert precomputed.verdict.total_bytes == plain.verdict.total_bytes
+    assert " + reference (precomputed, freed) 0.00 MB + " in printed[0]
+

@@ -37,18 +37,19 @@ def zero3_init_disabled(accelerator):
         hf_deepspeed.set_hf_deepspeed_config(registered)
 
 
-def size_deepspeed_buckets(accelerator, model) -> dict[str, int]:
-    """DeepSpeed ZeRO-1/2/3: write `deepspeed_bucket_elements` for `model` into the DeepSpeed config, in place of
-    the "auto" values `build_accelerator` left there; call it before `accelerator.prepare`. A size the user's own
-    DeepSpeed config file sets is kept. Returns what it wrote (empty under other engines, or when the model config
-    has no hidden size: accelerate then resolves "auto" or names the missing size itself)."""
+def size_deepspeed_buckets(accelerator, model, config: dict | None = None) -> dict[str, int]:
+    """DeepSpeed ZeRO-1/2/3: write `deepspeed_bucket_elements` for `model` into the DeepSpeed config (or into
+    `config`, a copy of it for an engine of its own), in place of the "auto" values `build_accelerator` left there;
+    call it before `accelerator.prepare`. A size the user's own DeepSpeed config file sets is kept. Returns what it
+    wrote (empty under other engines, or when the model config has no hidden size: accelerate then resolves "auto"
+    or names the missing size itself)."""
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
     model_config = getattr(model, "config", None)
     hidden_sizes = getattr(model_config, "hidden_sizes", None)  # same lookup as accelerate's "auto"
     hidden_size = max(hidden_sizes) if hidden_sizes else getattr(model_config, "hidden_size", None)
     if plugin is None or not hidden_size:
         return {}
-    zero_config = plugin.deepspeed_config["zero_optimization"]
+    zero_config = (config or plugin.deepspeed_config)["zero_optimization"]
     written = {key: value for key, value in deepspeed_bucket_elements(hidden_size).items()
                if zero_config.get(key) == "auto"}
     zero_config.update(written)

@@ -104,6 +104,10 @@ def _recipe_path() -> str:
     return path if relative.startswith("..") else relative
 
 
+_REFERENCE_TERMS = {"model": "reference", "adapters": "reference (adapters off)",
+                    "precomputed": "reference (precomputed, freed)"}
+
+
 def _term_line(check: FitCheck) -> str:
     v, s = check.verdict, check.setup
     states = v.estimate.model_states
@@ -111,8 +115,7 @@ def _term_line(check: FitCheck) -> str:
     loss = f"{s.loss_chunk_tokens}-token loss chunks" if s.loss_chunk_tokens else "whole logits"
     terms = " + ".join(f"{name} {format_bytes(value)}" for name, value in (
         ("params", states.gpu["params"]), ("grads", states.gpu["grads"]), ("optimizer", states.gpu["optimizer"]),
-        *((("reference", v.estimate.reference_bytes),) if s.reference == "model" else ()),
-        *((("reference (adapters off)", 0),) if s.reference == "adapters" else ()),
+        *(((_REFERENCE_TERMS[s.reference], v.estimate.reference_bytes),) if s.reference != "none" else ()),
         ("activations", v.estimate.activation_bytes), ("transient", v.estimate.transient_bytes)))
     on_host = v.total_bytes - v.estimate.total_bytes  # what an engine offloads, when host memory is the device
     if on_host:
@@ -137,7 +140,9 @@ def check_fit(accelerator, engine: Engine, model_config, *, seq_len: int, micro_
     then a warning). Every rank must call it (one collective agrees on the smallest capacity). `enabled=False`
     (`--no-fit_check`) skips it all. `lora_config`: a peft LoraConfig (only the adapters train). `reference`: what a
     preference loss compares the policy with: "model", a frozen copy held too (recipes/llama_dpo.py); "adapters", the
-    LoRA policy's own forward with its adapters off (recipes/llama_dpo_lora.py: 0 bytes); "none". Engines: all.
+    LoRA policy's own forward with its adapters off (recipes/llama_dpo_lora.py: 0 bytes); "precomputed", a copy
+    freed before the policy is built (recipes/llama_dpo.py --reference precomputed: 0 bytes during training);
+    "none". Engines: all.
     Returns a `FitCheck` whose `summary()` goes into summary.json next to the measured peak."""
     if not enabled:
         return FitCheck(None, None)

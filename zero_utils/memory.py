@@ -77,7 +77,8 @@ def _parser() -> argparse.ArgumentParser:
     training.add_argument("--reference", default=d.reference, choices=REFERENCES, help="model: a preference "
                           "loss's frozen reference model (recipes/llama_dpo.py), in the compute dtype, held as the "
                           "engine holds params; adapters: the LoRA policy with its adapters off "
-                          "(recipes/llama_dpo_lora.py, with --lora_fraction): no second model, 0 bytes "
+                          "(recipes/llama_dpo_lora.py, with --lora_fraction): no second model, 0 bytes; precomputed: "
+                          "the copy scores every pair once and is freed before training, 0 bytes "
                           "(default: %(default)s)")
     training.add_argument("--offload_optimizer", action="store_true", help="optimizer state in CPU memory "
                           "(ZeRO-1/2/3)")

@@ -127,7 +127,8 @@ class Setup:
     loss_chunk_tokens: int = 1024  # the recipes' default
     formula: str = "engine"
     reference: str = "none"  # a preference loss's reference: "model" (a frozen copy: recipes/llama_dpo.py), "adapters"
-    # (the LoRA policy with its adapters off: recipes/llama_dpo_lora.py, no bytes), "none" (reference-free)
+    # (the LoRA policy with its adapters off: recipes/llama_dpo_lora.py, no bytes), "precomputed" (its log-probs
+    # computed before training, the copy freed: no bytes during training), "none" (reference-free)
 
 
 @dataclass(frozen=True)
@@ -238,6 +239,10 @@ def _notes(setup: Setup) -> list[str]:
         notes.append("ZeRO-1/2 cannot offload params; FSDP2's offload moves its grads and optimizer state too.")
     if setup.hsdp:
         notes.append(f"HSDP: FSDP2 shards over the {setup.num_gpus} GPUs of a node; DeepSpeed rows shard over all.")
+    if setup.reference == "precomputed":
+        notes.append("reference: precomputed (recipes/llama_dpo.py --reference precomputed): the frozen copy scores "
+                     "every pair before the policy is built and is freed; training holds 0 bytes of it (the pass "
+                     "itself holds the copy and one no-grad forward, less than training).")
     if setup.reference == "adapters":
         notes.append("reference: the LoRA policy's own forward with its adapters off (recipes/llama_dpo_lora.py): "
                      "no second model, 0 bytes.")

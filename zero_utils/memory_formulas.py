@@ -226,7 +226,8 @@ def _holds_whole_gradients(engine: Engine, world_size: int, precision: str,
     return bytes_of["before"] > bytes_of["after"]
 
 
-REFERENCES = ("none", "model", "adapters")  # what a preference loss compares the policy with (reference_model_bytes)
+# What a preference loss compares the policy with (reference_model_bytes's `held_as`, or none)
+REFERENCES = ("none", "model", "adapters", "precomputed")
 
 
 def reference_model_bytes(engine: Engine, num_params: int, world_size: int, mixed_precision: str | None = "no", *,
@@ -236,8 +237,10 @@ def reference_model_bytes(engine: Engine, num_params: int, world_size: int, mixe
     under bf16/fp16 mixed precision, else 4), no grads, no optimizer state; divided over the shard group where the
     engine shards parameters (ZeRO-3, FSDP2), whole otherwise; in CPU memory where the engine offloads parameters
     (zero3_offload, fsdp2*_offload). `held_as="adapters"` (recipes/llama_dpo_lora.py): the LoRA policy's own forward
-    with its adapters off, so no second model exists: (0, 0). Engines: all."""
-    if held_as == "adapters":
+    with its adapters off, so no second model exists: (0, 0). `held_as="precomputed"` (recipes/llama_dpo.py
+    --reference precomputed): the copy scores every pair before the policy is built and is freed, so training holds
+    none of it (its log-probs, 8 bytes a pair, are left out): (0, 0). Engines: all."""
+    if held_as in ("adapters", "precomputed"):
         return 0, 0
     element = 4 if _precision(mixed_precision) == "fp32" else 2
     group = shard_group_size or world_size

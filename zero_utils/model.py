@@ -171,6 +171,25 @@ def loads_on_rank0_only(accelerator) -> bool:
                                                                                   False)))
 
 
+def weights_identity(name_or_path: str, revision: str | None = None) -> str | None:
+    """What names `--model`'s weights without reading them, for keys of values computed from them (a preference
+    loss's precomputed reference log-probs): a Hub id's resolved commit (from the local Hugging Face cache, where
+    `download_once_per_node` or `load_config` put it), or a local folder's weight files with their sizes and
+    modification times. None for a folder with only a config (its weights are drawn from the seed: the caller
+    digests the built model instead)."""
+    local = _check_local(name_or_path)
+    if local is None:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(name_or_path, "config.json", revision=revision or None)
+        commit = Path(cached).parent.name if isinstance(cached, str) else (revision or "unresolved")
+        return f"hub:{name_or_path}@{commit}"
+    files = sorted(f for f in local.glob("*") if f.suffix in (".safetensors", ".bin") or f.name in _WEIGHT_FILES)
+    if not files:
+        return None
+    return "local:" + ";".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
+
+
 def count_parameters(model, trainable_only: bool = False) -> int:
     """Number of parameter elements of the whole model, also when sharded: DeepSpeed ZeRO-3 partitions report
     `ds_numel`, FSDP2 DTensors their global shape. Engines: all."""

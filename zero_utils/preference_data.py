@@ -30,11 +30,20 @@ BUNDLED_PREFERENCES = str(Path(__file__).resolve().parent / "assets" / "dpo_tiny
 
 
 @dataclass
+class PairMicroBatch(MicroBatch):
+    """A micro-batch of pairs (2b rows: the chosen sequences, then the rejected ones); `reference_logps` (rows,), on
+    the device: the reference's summed answer log-probability of each row, when they were precomputed
+    (`attach_reference_logps`), else None."""
+
+    reference_logps: torch.Tensor | None = None
+
+
+@dataclass
 class StepPairs:
     """What one optimizer step trains on this rank: its micro-batches of pairs (`MicroBatch` of 2b rows, chosen
     then rejected) and, for the whole global batch, the pair count and the chosen answers' token count."""
 
-    micro_batches: list[MicroBatch]
+    micro_batches: list[PairMicroBatch]
     pairs: int
     chosen_tokens: int
 
@@ -48,6 +57,7 @@ class PreferenceData:
         data = PreferenceData.prepare(accelerator, tokenizer, model_config, dataset=..., seq_len=..., ...)
         batches = data.step_batches(step)      # this rank's micro-batches, the global pair and chosen-token counts
         for micro, weights in data.eval_batches(): ...   # weights: 1 per held-out pair, 0 for filler pairs
+        for micro, indices in data.strided_batches("train"): ...  # every pair once over the ranks (None: filler)
     `train`, `evaluation`: `datasets.Dataset`s with a row per pair (chosen_ids, chosen_labels, rejected_ids,
     rejected_labels, chosen_tokens, tokens); evaluation may be None. Engines: all."""
 
@@ -60,6 +70,7 @@ class PreferenceData:
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.seed, self.pad_token_id, self.rank, self.world_size = seed, pad_token_id, rank, world_size
         self.device = device
+        self.reference_logps = {"train": None, "eval": None}  # (pairs, 2) on CPU: attach_reference_logps
         self.global_batch_pairs = per_device_batch_size * gradient_accumulation_steps * world_size
         if len(train) < self.global_batch_pairs:
             raise UserError(f"the training data has {len(train)} pairs, fewer than one global batch "
@@ -95,20 +106,38 @@ class PreferenceData:
         indices = global_batch_indices(len(self.train), self.global_batch_pairs, step, self.seed)
         mine = rank_rows(indices, self.rank, self.world_size, self.per_device_batch_size,
                          self.gradient_accumulation_steps)
-        return StepPairs([self.micro_batch([self.train[i] for i in rows]) for rows in mine], len(indices),
+        return StepPairs([self._micro_batch_of("train", rows) for rows in mine], len(indices),
                          int(self._chosen_tokens[indices].sum()))
 
     def eval_batches(self):
         """(micro-batch, weights) of this rank's held-out pairs, strided over ranks; every rank yields as many
         (a sharded forward never waits on a finished rank): filler pairs repeat pair 0 with weight 0."""
-        mine = list(range(self.rank, len(self.evaluation), self.world_size))
-        per_rank = -(-len(self.evaluation) // self.world_size)
+        for micro, indices in self.strided_batches("eval"):
+            yield micro, torch.tensor([0.0 if i is None else 1.0 for i in indices], device=self.device)
+
+    def strided_batches(self, split: str):
+        """(micro-batch, pair indices) of this rank's share of `split` ('train' or 'eval'): pairs rank, rank + N,
+        ... in micro-batches of `per_device_batch_size`; every rank yields as many, the last ones filled with pair 0
+        (index None)."""
+        pairs = self.train if split == "train" else self.evaluation
+        mine = list(range(self.rank, len(pairs), self.world_size))
+        per_rank = -(-len(pairs) // self.world_size)
         for start in range(0, per_rank, self.per_device_batch_size):
             chunk = mine[start:start + self.per_device_batch_size] or [None]
-            weights = torch.tensor([0.0 if i is None else 1.0 for i in chunk], device=self.device)
-            yield self.micro_batch([self.evaluation[0 if i is None else i] for i in chunk]), weights
+            yield self._micro_batch_of(split, [0 if i is None else i for i in chunk]), chunk
 
-    def micro_batch(self, pairs: list[dict]) -> MicroBatch:
+    def attach_reference_logps(self, train: torch.Tensor, evaluation: torch.Tensor | None) -> None:
+        """Give every micro-batch from now on the reference's precomputed summed answer log-probs: `train` (train
+        pairs, 2) and `evaluation` (eval pairs, 2), float32, column 0 the chosen answer's, 1 the rejected one's."""
+        self.reference_logps = {"train": train, "eval": evaluation}
+
+    def _micro_batch_of(self, split: str, indices: list[int]) -> PairMicroBatch:
+        micro = self.micro_batch([(self.train if split == "train" else self.evaluation)[i] for i in indices])
+        if self.reference_logps[split] is not None:  # chosen rows first, then the rejected ones
+            micro.reference_logps = self.reference_logps[split][indices].T.flatten().to(self.device)
+        return micro
+
+    def micro_batch(self, pairs: list[dict]) -> PairMicroBatch:
         """2 x len(pairs) rows (chosen sequences, then rejected), right-padded to the longest, with their mask."""
         sequences = [(p[f"{side}_ids"], p[f"{side}_labels"]) for side in ("chosen", "rejected") for p in pairs]
         length = max(len(ids) for ids, _ in sequences)
@@ -119,7 +148,7 @@ class PreferenceData:
             input_ids[row, :len(ids)], labels[row, :len(ids)], mask[row, :len(ids)] = (
                 torch.tensor(ids), torch.tensor(row_labels), 1)
         inputs = {"input_ids": input_ids.to(self.device), "attention_mask": mask.to(self.device), "use_cache": False}
-        return MicroBatch(inputs, labels.to(self.device))
+        return PairMicroBatch(inputs, labels.to(self.device))
 
     def describe(self) -> str:
         """The batch arithmetic and the pairs, in two lines for the start of a run."""

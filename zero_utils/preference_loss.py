@@ -31,19 +31,24 @@ DEFAULT_BETA = {"sigmoid": 0.1, "ipo": 0.1, "simpo": 2.0}
 SIMPO_GAMMA = 1.0
 
 
-def resolve(loss: str, beta: float, reference: str) -> tuple[float, bool]:
-    """(beta, whether a reference model is built) from the flags: `beta` 0 takes the loss's default
+def resolve(loss: str, beta: float, reference: str, *, lora: bool = False) -> tuple[float, str]:
+    """(beta, the reference: 'model', 'precomputed' or 'none') from the flags: `beta` 0 takes the loss's default
     (DEFAULT_BETA); `reference` '' takes the loss's own ('model' for sigmoid and ipo, 'none' for simpo). A
-    reference-based loss without a reference, or simpo with one, is a `UserError`."""
-    if reference not in ("", "model", "none"):
-        raise UserError(f"--reference {reference!r} is unknown; use model or none.")
+    reference-based loss without a reference, simpo with one, or a precomputed reference for a LoRA policy (whose
+    reference, the base with its adapters off, holds nothing: `lora`) is a `UserError`."""
+    if reference not in ("", "model", "precomputed", "none"):
+        raise UserError(f"--reference {reference!r} is unknown; use model, precomputed or none.")
     wants = loss not in REFERENCE_FREE
     if reference == "none" and wants:
         raise UserError(f"--loss {loss} compares the policy with a reference model: drop --reference none, or use "
                         "the reference-free --loss simpo.")
-    if reference == "model" and not wants:
-        raise UserError(f"--loss {loss} is reference-free: drop --reference model, or use --loss sigmoid or ipo.")
-    return (beta or DEFAULT_BETA[loss]), wants
+    if reference in ("model", "precomputed") and not wants:
+        raise UserError(f"--loss {loss} is reference-free: drop --reference {reference}, or use --loss sigmoid or "
+                        "ipo.")
+    if reference == "precomputed" and lora:
+        raise UserError("--reference precomputed frees a frozen copy of the model, but this recipe's reference is the "
+                        "base with its adapters off and holds no memory: drop --reference precomputed.")
+    return (beta or DEFAULT_BETA[loss]), (reference or "model") if wants else "none"
 
 
 def averages_log_probs(loss: str) -> bool:

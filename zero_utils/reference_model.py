@@ -23,9 +23,13 @@ import copy
 
 import torch
 
+from zero_utils.deepspeed_setup import size_deepspeed_buckets
 from zero_utils.distributed import max_over_ranks
 from zero_utils.engine import Engine
 from zero_utils.evidence import held_here, weights_digest
+from zero_utils.preference_loss import answer_log_probs
+from zero_utils.sft_examples import IGNORE_INDEX
+from zero_utils.token_loss import TokenLosses
 from zero_utils.wrapping import reshard_after_inference, shard_frozen_model
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -37,15 +41,18 @@ def compute_dtype(mixed_precision: str) -> torch.dtype:
 
 
 class ReferenceModel:
-    """A frozen model for forwards only: `reference.module` is called like the policy (every rank, same inputs),
-    under `torch.no_grad()`. Build it with `ReferenceModel.hold(model, accelerator, engine)` after the policy's
-    `accelerator.prepare` (under ZeRO-3 it copies the resolved DeepSpeed config). Engines: all."""
+    """A frozen model for forwards only: `reference.answer_log_probs(micro, answers, average)` runs `reference.module`
+    like the policy (every rank, its own micro-batch) under `torch.no_grad()`, its head and loss over chunks of
+    `loss_chunk_tokens` tokens (zero_utils.token_loss). Build it with `ReferenceModel.hold(model, accelerator, engine,
+    loss_chunk_tokens)`; under ZeRO-3 it copies the resolved DeepSpeed config, so after an `accelerator.prepare` of
+    the DeepSpeed plugin's kind (the policy's, or none yet: accelerate fills it at its first prepare). Engines: all."""
 
-    def __init__(self, module, engine: Engine, dtype: torch.dtype, world_size: int):
+    def __init__(self, module, engine: Engine, dtype: torch.dtype, world_size: int, losses: TokenLosses):
         self.module, self.engine, self.dtype, self.world_size = module, engine, dtype, world_size
+        self.losses = losses
 
     @classmethod
-    def hold(cls, model: torch.nn.Module, accelerator, engine: Engine) -> ReferenceModel:
+    def hold(cls, model: torch.nn.Module, accelerator, engine: Engine, loss_chunk_tokens: int) -> ReferenceModel:
         """Hold `model` (freshly built, fp32, on CPU) as the engine holds the policy (module table)."""
         dtype = compute_dtype(accelerator.mixed_precision)
         model.eval().requires_grad_(False)
@@ -57,11 +64,19 @@ class ReferenceModel:
             config = copy.deepcopy(accelerator.state.deepspeed_plugin.deepspeed_config)
             for key in ("optimizer", "scheduler"):
                 config.pop(key, None)
+            size_deepspeed_buckets(accelerator, model, config)  # "auto" sizes, when no policy was prepared before
             module, *_ = deepspeed.initialize(model=model, config=config)
             module.eval()
         else:  # DDP, ZeRO-1/2, one process: a replica on the device
             module = model.to(device=accelerator.device, dtype=dtype)
-        return cls(module, engine, dtype, accelerator.num_processes)
+        losses = TokenLosses(module, loss_chunk_tokens, IGNORE_INDEX, accelerator)
+        return cls(module, engine, dtype, accelerator.num_processes, losses)
+
+    def answer_log_probs(self, micro, answers: torch.Tensor, average: bool) -> torch.Tensor:
+        """Each row's answer log-probability under the reference (rows,), summed or averaged over `answers` (the
+        rows' answer-token mask) as `preference_loss.answer_log_probs`; no gradients. Every rank must call it."""
+        with torch.no_grad():
+            return answer_log_probs(-self.losses(self.module, micro), answers, average)
 
     def parameters(self):
         return getattr(self.module, "module", self.module).parameters()
@@ -78,6 +93,11 @@ class ReferenceModel:
         total = self.num_params() * torch.tensor([], dtype=self.dtype).element_size()
         return -(-total // self.world_size) if self.engine.shards_params else total
 
+    def describe(self) -> str:
+        """One line for the start of a run: which reference, and what it costs."""
+        return (f"reference: a frozen copy of the starting weights, held as the engine holds the policy: "
+                f"{self.expected_state_bytes() / 1e6:.1f} MB per rank (expected), one more forward per micro-batch")
+
     def measured_state_bytes(self, accelerator) -> int:
         """`state_bytes`, the maximum over ranks (one small collective: every rank must call it)."""
         return max_over_ranks(accelerator, {"bytes": self.state_bytes()})["bytes"]
@@ -93,6 +113,25 @@ class ReferenceModel:
     def digest(self) -> str:
         """SHA-256 of the gathered weights (every rank must call it; parameters gathered one at a time)."""
         return weights_digest(self.module)
+
+    def release(self) -> None:
+        """Drop what the engine keeps of the reference outside this object, so that dropping the object frees its
+        weights (call it when no forward is running). [ZeRO-3] DeepSpeed's parameter offload appends the engine's
+        top module to a module-level stack (`deepspeed.runtime.zero.parameter_offload.FWD_MODULE_STACK`) and never
+        takes it off, and its parameter coordinator memoises which parameters to release in a class-level
+        `functools.lru_cache` keyed by the coordinator and the submodules, never cleared: either kept the reference's
+        module, partitions and engine alive for the whole run (the cache is a memo: the policy's entries are
+        computed again)."""
+        if self.engine.is_deepspeed and self.engine.zero_stage == 3:
+            from deepspeed.runtime.zero import parameter_offload
+            from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+
+            stack = parameter_offload.FWD_MODULE_STACK
+            stack[:] = [m for m in stack if m is not self.module.module]
+            memo = getattr(PartitionedParameterCoordinator, "_PartitionedParameterCoordinator__params_to_release", None)
+            for fn in (memo, *(cell.cell_contents for cell in getattr(memo, "__closure__", None) or ())):
+                if hasattr(fn, "cache_clear"):  # under DeepSpeed's NVTX wrapper, which keeps no __wrapped__
+                    fn.cache_clear()
 
     def free_gathered(self) -> None:
         """[FSDP2] Reshard whatever the last forwards left gathered (a no-op elsewhere)."""

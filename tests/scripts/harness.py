@@ -35,16 +35,23 @@ Switched on by the environment:
                                          micro-batch of the first two steps (accumulation_probe.py)
     ZERO_RECIPES_HARNESS_REFERENCE_PROBE=1  + "reference_probe_per_rank" (recipes/llama_dpo.py): the most reference
                                          parameters held gathered (not DTensor shards) at any module's forward,
-                                         and the reference's parameter count
+                                         the reference's parameter count, and "alive_after_step_1" / "tensors":
+                                         how many of its parameter tensors (FSDP2: and their local shards;
+                                         ZeRO-3: and their `ds_tensor` partitions), weakly referenced when it was
+                                         built, are still alive at the end of step 1
+    ZERO_RECIPES_HARNESS_LIVE_TENSORS=1  + "live_tensor_bytes_per_rank": the bytes of every distinct tensor storage
+                                         alive at the end of step 1 (before the update), found by a gc walk
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import runpy
 import sys
 import time
+import weakref
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -207,7 +214,14 @@ def _attach_probes() -> None:
                 accumulation_probe.after_micro_batch(self.model, self.optimizer)
 
         def end_step(self, *args, **kwargs):
-            _seen.setdefault("causal_lms_built_by_step_1", _seen["causal_lms_built"])
+            if "causal_lms_built_by_step_1" not in _seen:  # the end of step 1
+                _seen["causal_lms_built_by_step_1"] = _seen["causal_lms_built"]
+                if "reference_weakrefs" in _seen:
+                    gc.collect()
+                    _seen["reference_probe"]["alive_after_step_1"] = sum(
+                        ref() is not None for ref in _seen["reference_weakrefs"])
+                if os.environ.get("ZERO_RECIPES_HARNESS_LIVE_TENSORS") == "1":
+                    _seen["live_tensor_bytes"] = live_tensor_bytes()
             if os.environ.get("ZERO_RECIPES_HARNESS_LOSS_PROBE") == "1":
                 loss_probe.stop()
             return super().end_step(*args, **kwargs)
@@ -220,6 +234,10 @@ def _attach_probes() -> None:
         def probed_hold(cls, *args, **kwargs):  # the reference as the recipe holds it, hooked before any forward
             reference = hold(cls, *args, **kwargs)
             _seen["reference_probe"] = _gathered_params_probe(reference.module)
+            tensors = [t for p in reference.parameters() for t in (p, getattr(p, "_local_tensor", None),
+                                                                   getattr(p, "ds_tensor", None)) if t is not None]
+            _seen["reference_weakrefs"] = [weakref.ref(t) for t in tensors]
+            _seen["reference_probe"]["tensors"] = len(tensors)
             return reference
 
         reference_model.ReferenceModel.hold = classmethod(probed_hold)
@@ -243,6 +261,28 @@ def _attach_probes() -> None:
                 return super().finish(*args, **kwargs)
 
         checkpoint_storage.PendingSave = DyingSave
+
+
+def live_tensor_bytes() -> int:
+    """Bytes of every distinct storage of the tensors the garbage collector can reach (an FSDP2 DTensor counts its
+    local shard; meta tensors nothing), after a collection."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    gc.collect()
+    storages = {}
+    for obj in gc.get_objects():
+        try:
+            if not isinstance(obj, torch.Tensor):
+                continue
+            tensor = obj._local_tensor if isinstance(obj, DTensor) else obj
+            if tensor.device.type == "meta":
+                continue
+            storage = tensor.untyped_storage()
+        except (RuntimeError, ReferenceError, TypeError):  # a tensor without storage (a functional wrapper)
+            continue
+        storages[(tensor.device.type, storage.data_ptr())] = storage.nbytes()
+    return sum(storages.values())
 
 
 def _gathered_params_probe(module) -> dict:
@@ -283,6 +323,7 @@ def _evidence() -> dict:
                                                             if "data" in _seen else None]),  # SFT rows, DPO pairs
         "tokenizer_calls_in_data_prep_per_rank": gather_object([_seen.get("tokenizer_calls_in_data_prep")]),
         "causal_lms_built_per_rank": gather_object([_seen.get("causal_lms_built_by_step_1")]),
+        "live_tensor_bytes_per_rank": gather_object([_seen.get("live_tensor_bytes")]),
         "reference_probe_per_rank": gather_object([_seen["reference_probe"]]) if "reference_probe" in _seen else None,
         "data_prep_rss_anon_bytes_per_rank": gather_object([_seen.get("data_prep_rss_anon")]),
         "loss_probe_per_rank": gather_object([loss_probe.result()])
