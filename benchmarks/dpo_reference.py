@@ -3,6 +3,8 @@
     python benchmarks/dpo_reference.py --output_dir runs/dpo_reference [--configs ddp zero1 ...] [--world_size 2]
     python benchmarks/dpo_reference.py --recipe recipes/llama_dpo_lora.py --configs ddp zero3 fsdp2 \
         --output_dir runs/dpo_lora_reference      # LoRA-DPO: the reference is the policy with its adapters off
+    python benchmarks/dpo_reference.py --reference precomputed --configs ddp zero3 fsdp2 \
+        --output_dir runs/dpo_precomputed         # the reference's log-probs computed once, the reference freed
 
 Runs `--recipe` (default recipes/llama_dpo.py; sigmoid loss, the bundled model and pairs, each YAML as shipped:
 bf16 mixed precision) for 3 steps under every config, side by side, through `python -m zero_utils.compare` (its
@@ -30,6 +32,8 @@ parser.add_argument("--output_dir", required=True)
 parser.add_argument("--configs", nargs="+", default=CONFIGS)
 parser.add_argument("--world_size", type=int, default=2)
 parser.add_argument("--recipe", default="recipes/llama_dpo.py", help="llama_dpo.py or llama_dpo_lora.py under recipes/")
+parser.add_argument("--reference", default="model", choices=["model", "precomputed"], help="recipes/llama_dpo.py's "
+                    "--reference (precomputed: training holds 8 bytes a pair of it)")
 
 
 def main() -> None:
@@ -38,7 +42,8 @@ def main() -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}
     compare = [sys.executable, "-m", "zero_utils.compare", "--recipe", args.recipe, "--configs",
                *args.configs, "--num_processes", str(args.world_size), "--max_steps", "3", "--output_dir",
-               str(out), "--report_to", "none", "--", "--max_new_tokens", "0", "--eval_every", "0"]
+               str(out), "--report_to", "none", "--", "--max_new_tokens", "0", "--eval_every", "0",
+               *(["--reference", args.reference] if args.reference != "model" else [])]
     proc = subprocess.run(compare, cwd=REPO, env=env)
     rows = []
     for config in args.configs:
@@ -54,9 +59,10 @@ def main() -> None:
                      "model_state_bytes": s["model_state_bytes"],
                      "reference_model": "reference_state_bytes_expected" in s})  # LoRA-DPO builds none
     ddp = next((r for r in rows if r.get("engine") == "ddp"), None)
-    lines = [f"DPO reference model per rank, {args.recipe}, {args.world_size} processes, bundled model, YAMLs as "
-             f"shipped (`python benchmarks/dpo_reference.py --recipe {args.recipe} --configs {' '.join(args.configs)} "
-             f"--output_dir {args.output_dir}`); MB = 1e6 bytes.", "",
+    flags = f"--recipe {args.recipe} --reference {args.reference} --configs {' '.join(args.configs)}"
+    lines = [f"DPO reference per rank during training, {args.recipe} --reference {args.reference}, {args.world_size} "
+             f"processes, bundled model, YAMLs as shipped (`python benchmarks/dpo_reference.py {flags} --output_dir "
+             f"{args.output_dir}`); MB = 1e6 bytes.", "",
              "| config | reference measured, MB | formula, MB | measured / formula | x DDP | policy model states, MB |",
              "|---|---|---|---|---|---|"]
     for r in rows:
