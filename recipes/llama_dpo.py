@@ -92,6 +92,12 @@ class Settings:
     seq_len: int = flag(128, "the most tokens of prompt + answer kept", min=8)
     lr: float = flag(1e-3, "peak learning rate", min=0.0)
     weight_decay: float = flag(0.0, "AdamW weight decay on matrices", min=0.0)
+    adam_beta1: float = flag(0.9, "AdamW's first-moment decay", min=0.0, below=1.0)
+    adam_beta2: float = flag(0.95, "AdamW's second-moment decay (transformers and torch default: 0.999)", min=0.0,
+                             below=1.0)
+    adam_eps: float = flag(1e-8, "AdamW's epsilon, added to the root of the second moment", min=0.0)
+    min_lr_ratio: float = flag(0.1, "the cosine schedule's floor at --max_steps, as a fraction of --lr (0: to zero)",
+                               min=0.0)
     warmup_steps: int = flag(10, "linear warmup steps", min=0)
     lr_schedule: str = flag("cosine", "decay after warmup", choices=["cosine", "constant"])
     max_grad_norm: float = flag(1.0, "clip the global gradient norm to this", min=0.0)
@@ -177,7 +183,7 @@ def main(cfg: Settings) -> None:
     num_params = count_parameters(model, trainable_only=True)
     parallelize(model, accelerator, engine, activation_checkpointing=cfg.gradient_checkpointing,
                 fsdp=FSDPWrapping(cfg.fsdp_reshard_last_block, cfg.fsdp_embedding_group, cfg.fsdp_prefetch_blocks))
-    optimizer = build_adamw(model, cfg.lr, cfg.weight_decay)
+    optimizer = build_adamw(model, cfg.lr, cfg.weight_decay, (cfg.adam_beta1, cfg.adam_beta2), cfg.adam_eps)
     param_groups = describe_param_groups(optimizer)
     model, optimizer = accelerator.prepare(model, optimizer)
     after_prepare(model, accelerator, engine, cfg.model, cfg.revision)  # [DeepSpeed] fp32 master from the weights
@@ -230,7 +236,7 @@ def main(cfg: Settings) -> None:
     for step in progress:
         meter.start_step()
         set_lr(optimizer, lr := lr_at(step, max_steps=cfg.max_steps, peak_lr=cfg.lr, warmup_steps=cfg.warmup_steps,
-                                      schedule=cfg.lr_schedule))
+                                      schedule=cfg.lr_schedule, min_lr_ratio=cfg.min_lr_ratio))
         batches = pairs.step_batches(step)  # this rank's micro-batches, the global batch's pair and token counts
         # the mean over the global batch's pairs, exact after accelerate's 1 / accumulation and the engines' rank mean
         scale = world * cfg.gradient_accumulation_steps / batches.pairs

@@ -78,6 +78,12 @@ class Settings:
     seq_len: int = flag(256, "tokens per packed row", min=8)
     lr: float = flag(3e-3, "peak learning rate", min=0.0)
     weight_decay: float = flag(0.1, "AdamW weight decay on matrices", min=0.0)
+    adam_beta1: float = flag(0.9, "AdamW's first-moment decay", min=0.0, below=1.0)
+    adam_beta2: float = flag(0.95, "AdamW's second-moment decay (transformers and torch default: 0.999)", min=0.0,
+                             below=1.0)
+    adam_eps: float = flag(1e-8, "AdamW's epsilon, added to the root of the second moment", min=0.0)
+    min_lr_ratio: float = flag(0.1, "the cosine schedule's floor at --max_steps, as a fraction of --lr (0: to zero)",
+                               min=0.0)
     warmup_steps: int = flag(10, "linear warmup steps", min=0)
     lr_schedule: str = flag("cosine", "decay after warmup", choices=["cosine", "constant"])
     max_grad_norm: float = flag(1.0, "clip the global gradient norm to this", min=0.0)
@@ -159,7 +165,7 @@ def main(cfg: Settings) -> None:
                 fsdp=FSDPWrapping(cfg.fsdp_reshard_last_block, cfg.fsdp_embedding_group, cfg.fsdp_prefetch_blocks))
 
     # ------------------------------------------------------------------------------ optimizer, prepare, resume
-    optimizer = build_adamw(model, cfg.lr, cfg.weight_decay)
+    optimizer = build_adamw(model, cfg.lr, cfg.weight_decay, (cfg.adam_beta1, cfg.adam_beta2), cfg.adam_eps)
     param_groups = describe_param_groups(optimizer)  # decay / no-decay: the same under every engine
     model, optimizer = accelerator.prepare(model, optimizer)
     after_prepare(model, accelerator, engine, None)  # [LoRA] no fp32-master restore: the adapters are new tensors
@@ -198,7 +204,7 @@ def main(cfg: Settings) -> None:
     for step in progress:
         meter.start_step()
         lr = lr_at(step, max_steps=cfg.max_steps, peak_lr=cfg.lr, warmup_steps=cfg.warmup_steps,
-                   schedule=cfg.lr_schedule)
+                   schedule=cfg.lr_schedule, min_lr_ratio=cfg.min_lr_ratio)
         set_lr(optimizer, lr)
         batches = train_data.step_batches(step)  # this rank's micro-batches, and the global batch's answer tokens
         # The loss is the mean over the global batch's answer tokens: after accelerate divides by the accumulation

@@ -49,9 +49,10 @@ ENGINE_KEYS = frozenset({
     "zero_optimization", "bf16", "fp16", "train_batch_size", "train_micro_batch_size_per_gpu"})
 
 
-def flag(default, help: str, *, min=None, choices=None):
-    """A settings field: its default, its help text, an optional lower bound and allowed values."""
-    return dataclasses.field(default=default, metadata={"help": help, "min": min, "choices": choices})
+def flag(default, help: str, *, min=None, below=None, choices=None):
+    """A settings field: its default, its help text, an optional lower bound, an optional bound the value must stay
+    below (`below`: exclusive) and allowed values."""
+    return dataclasses.field(default=default, metadata={"help": help, "min": min, "below": below, "choices": choices})
 
 
 def parse_settings(settings_cls, argv=None, description: str | None = None):
@@ -108,11 +109,13 @@ def _config_path(argv: list[str]) -> str | None:
 
 
 def _below_min(settings_cls, args: argparse.Namespace) -> str | None:
-    """The sentence for the first value below its field's `min`, or None."""
+    """The sentence for the first value below its field's `min` (or not below its `below`), or None."""
     for f in dataclasses.fields(settings_cls):
-        bound, value = f.metadata.get("min"), getattr(args, f.name)
+        bound, ceiling, value = f.metadata.get("min"), f.metadata.get("below"), getattr(args, f.name)
         if bound is not None and value is not None and value < bound:
             return f"--{f.name} {value} is below its minimum {bound}; pass a value >= {bound}."
+        if ceiling is not None and value is not None and value >= ceiling:
+            return f"--{f.name} {value} must stay below {ceiling}; pass a value < {ceiling}."
     return None
 
 
