@@ -55,10 +55,13 @@ def test_a_mixture_file_or_a_config_key_names_the_data(tmp_path, settings, capsy
     assert [(s.id, s.weight, s.split) for s in mixture.sources] == [("chat.jsonl", 0.75, "train"),
                                                                       ("alpaca.json", 0.25, "train")]
     assert mixture.sources[0].kept_columns() == ["messages"] and mixture.seed == 42
-    assert "learning_rate, model_name_or_path ignored" in capsys.readouterr().out  # an alignment-handbook recipe
+    assert capsys.readouterr().out == ""  # read quietly wherever the data is prepared
+    parse_settings(settings, ["--dataset", str(tmp_path / "mix.yaml")])  # an alignment-handbook recipe as --dataset
+    assert capsys.readouterr().out.count("learning_rate, model_name_or_path ignored") == 1  # once, at parsing
     (tmp_path / "run.yaml").write_text("lr: 1.0e-4\n" + MIXTURE)
     cfg = parse_settings(settings, ["--config", str(tmp_path / "run.yaml")])
     assert cfg.dataset == str(tmp_path / "run.yaml") and cfg.lr == 1e-4
+    assert "ignored" not in capsys.readouterr().out  # a --config file's other keys are its flags
 
 
 @pytest.mark.parametrize("mixture,flags,sentence", [

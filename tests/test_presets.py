@@ -39,20 +39,24 @@ def run_file(tmp_path, content: str):
 
 def test_there_are_presets_for_real_models():
     assert {p.name for p in PRESETS} >= {"llama-3.2-1b-full.yaml", "llama-3.1-8b-full.yaml", "llama-3.1-8b-lora.yaml"}
-    assert {recipe_of(p) for p in PRESETS} == {"recipes/llama_zero3.py", "recipes/llama_lora.py"}
+    assert {recipe_of(p) for p in PRESETS} == {"recipes/llama_zero3.py", "recipes/llama_lora.py",
+                                               "recipes/llama_dpo.py"}
 
 
 @pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.name)
 def test_every_preset_parses_and_sets_only_real_flags(preset):
     settings_cls = settings_class(recipe_of(preset))
     values = yaml.safe_load(preset.read_text())
+    mixture = values.pop("dataset_mixture", None)  # the data of an alignment-handbook recipe, as it is
     fields = {f.name for f in dataclasses.fields(settings_cls)}
     assert set(values) <= fields, set(values) - fields
     settings = parse_settings(settings_cls, ["--config", str(preset)])
     for key, value in values.items():
         assert getattr(settings, key) == value, key
+    assert mixture is None or settings.dataset == str(preset)  # the file is its own --dataset
     text = preset.read_text()
-    assert "GPUs assumed:" in text and "pytorch/torchtune@" in text  # the GPU count and the source of the values
+    assert "GPUs assumed:" in text  # the GPU count, and the source of the values at a commit
+    assert "pytorch/torchtune@" in text or "huggingface/alignment-handbook@" in text
     assert f"--config presets/{preset.name}" in text  # its own launch line
 
 
@@ -66,6 +70,28 @@ def test_a_preset_holds_the_values_of_its_source(monkeypatch):
     full = parse_settings(settings_class("recipes/llama_zero3.py"), ["--config", "presets/llama-3.2-1b-full.yaml"])
     assert (full.lr, full.per_device_batch_size, full.gradient_accumulation_steps, full.lr_schedule) == (
         2e-5, 4, 8, "constant")
+    assert (full.adam_beta1, full.adam_beta2, full.adam_eps) == (0.9, 0.999, 1e-8)  # torch.optim.AdamW's defaults
+    assert lora.min_lr_ratio == 0.0  # torchtune's get_cosine_schedule_with_warmup decays to 0
+
+
+def test_the_dpo_preset_holds_alignment_handbooks_zephyr_values(monkeypatch):
+    """Copied by hand from alignment-handbook's recipes/zephyr-7b-beta/dpo/config_full.yaml at 19f0345 and the
+    transformers TrainingArguments defaults it leaves (adamw_torch: betas (0.9, 0.999), eps 1e-8, weight decay 0)."""
+    from zero_utils.data_mixture import mixture_in_file
+
+    monkeypatch.chdir(REPO)
+    dpo = parse_settings(settings_class("recipes/llama_dpo.py"), ["--config", "presets/zephyr-7b-dpo-full.yaml"])
+    assert dpo.model == "alignment-handbook/zephyr-7b-sft-full" and (dpo.loss, dpo.beta, dpo.lr) == ("sigmoid", 0.01,
+                                                                                                    5e-7)
+    assert (dpo.per_device_batch_size, dpo.gradient_accumulation_steps, dpo.seq_len, dpo.seed) == (8, 2, 1024, 42)
+    assert (dpo.adam_beta1, dpo.adam_beta2, dpo.adam_eps, dpo.weight_decay, dpo.min_lr_ratio) == (
+        0.9, 0.999, 1e-8, 0.0, 0.0)
+    assert dpo.gradient_checkpointing and dpo.warmup_steps == 48 and dpo.max_steps == 477  # 0.1 and 1 epoch of 128
+    mixture = mixture_in_file(dpo.dataset)
+    assert [(s.id, s.split, s.weight) for s in mixture.sources] == [
+        ("HuggingFaceH4/ultrafeedback_binarized", "train_prefs", 1.0),
+        ("HuggingFaceH4/ultrafeedback_binarized", "test_prefs", 1.0)]
+    assert (mixture.test_split_size, mixture.seed) == (2000, 0)
 
 
 def test_flags_override_the_file_and_the_file_overrides_defaults(tmp_path):

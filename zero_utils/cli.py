@@ -93,7 +93,8 @@ def parse_settings(settings_cls, argv=None, description: str | None = None):
         parser.error(problem)
     if hasattr(args, "dataset"):  # a mixture, checked here on every rank before any collective
         given = _given(argv)
-        check_mixture(args.dataset, {name.removeprefix("--") for name in given}, "--eval_fraction" in given)
+        check_mixture(args.dataset, {name.removeprefix("--") for name in given}, "--eval_fraction" in given,
+                      from_config=bool(config_path) and args.dataset == config_path)
     return settings_cls(**vars(args))
 
 

@@ -131,9 +131,10 @@ def parse_mixture(value, where: str) -> Mixture:
     return Mixture(tuple(sources), seed, size, where)
 
 
-def mixture_in_file(path: str) -> Mixture | None:
-    """The mixture of a YAML file given as --dataset (a `dataset_mixture` key, as in an alignment-handbook recipe:
-    its other keys are named, once, as ignored), or None for a file that is not YAML or has no such key."""
+def mixture_in_file(path: str, *, announce: bool = False) -> Mixture | None:
+    """The mixture of a YAML file given as --dataset (a `dataset_mixture` key, as in an alignment-handbook recipe),
+    or None for a file that is not YAML or has no such key. `announce`: print that its other keys are ignored (where
+    the flags are parsed, once; not for the --config file itself, whose other keys are recipe flags)."""
     import yaml
 
     file = Path(path).expanduser()
@@ -146,17 +147,19 @@ def mixture_in_file(path: str) -> Mixture | None:
     if not isinstance(values, dict) or "dataset_mixture" not in values:
         return None
     ignored = sorted(str(k) for k in values if k != "dataset_mixture")
-    if ignored:
+    if ignored and announce:
         print(f"--dataset {path}: its dataset_mixture is read; {', '.join(ignored)} ignored (recipe flags set "
               "the run).")
     return parse_mixture(values["dataset_mixture"], path)
 
 
-def check_mixture(dataset: str, given_flags: set[str], eval_fraction_given: bool) -> Mixture | None:
+def check_mixture(dataset: str, given_flags: set[str], eval_fraction_given: bool, *,
+                  from_config: bool = False) -> Mixture | None:
     """Where the flags are parsed: the mixture `--dataset` names (None for one source), checked (`parse_mixture`)
     and refused with single-source flags given on the command line or in --config (`given_flags`: their names),
-    and with --eval_fraction when the mixture holds out its own `test_split_size`."""
-    mixture = mixture_in_file(dataset)
+    and with --eval_fraction when the mixture holds out its own `test_split_size`. `from_config`: the mixture is
+    the --config file's own (its other keys are flags, not ignored)."""
+    mixture = mixture_in_file(dataset, announce=not from_config)
     if mixture is None:
         return None
     clashing = [f"--{name}" for name in SINGLE_SOURCE_FLAGS if name in given_flags]
