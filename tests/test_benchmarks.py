@@ -218,3 +218,59 @@ def test_data_prep_benchmark_reports_each_corpus(tmp_path):
     assert all(0 < r["seconds_not_tokenizing"] < r["seconds"] for r in rows if r["num_proc"] == 1)
     assert all("seconds_not_tokenizing" not in r for r in rows if r["num_proc"] == 2)
     assert all(r["train_record_batches"] >= 1 and r["open_rss_anon_rise_bytes"] < 10**9 for r in rows)
+
+
+def _trl_benchmark():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("trl_dpo", REPO / "benchmarks/trl_dpo.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.unit
+def test_the_trl_benchmark_table_and_its_pairs_without_trl(tmp_path):
+    """benchmarks/trl_dpo.py's parts that need no trl, in a process: its flags; the pairs it gives trl are the
+    recipe's global batch of each step in order, as chat messages; the table puts trl's row beside ours with ratios,
+    the largest loss difference, and a run that failed or ran another engine as a row that says so."""
+    bench = _trl_benchmark()
+    args = bench.parser.parse_args(["--output_dir", str(tmp_path), "--skip_trl"])
+    assert args.configs == ["fsdp2", "zero3"] and args.skip_trl and args.world_size == 2
+    from zero_utils.data import global_batch_indices
+    from zero_utils.preference_data import BUNDLED_PREFERENCES
+
+    assert bench.ordered_pairs(tmp_path / "pairs.jsonl", 2, 8, 42) == 2000
+    written = [json.loads(line) for line in (tmp_path / "pairs.jsonl").read_text().splitlines()]
+    bundled = [json.loads(line) for line in open(BUNDLED_PREFERENCES)]
+    expected = [bundled[i] for step in (1, 2) for i in global_batch_indices(2000, 8, step, 42)]
+    assert [w["prompt"][0]["content"] for w in written] == [e["prompt"] for e in expected]
+    assert written[0]["chosen"] == [{"role": "assistant", "content": expected[0]["chosen"]}]
+
+    def side(name, losses, peak):
+        return {"config": "fsdp2", "side": name, "engine": "fsdp2", "wall_s": 10.0, "step_time_s": 0.1,
+                "peak_mem_bytes": peak, "reference_state_bytes": 2e6,
+                "steps": [{"step": i + 1, "loss": loss, "margins": 0.5} for i, loss in enumerate(losses)]}
+
+    lines = bench.table([side("ours", [0.693147, 0.6], 500e6), side("trl", [0.693147, 0.6001], 600e6),
+                         {"config": "zero3", "side": "trl", "error": "ran single, not zero3"}], "python x")
+    assert lines[0].startswith("DPO beside trl (`python x`): CPU")
+    assert "| fsdp2 | trl | fsdp2 | 0.693147 | 0.600100 | 1.00e-04 | 0.5000 | 600.0 (1.20x) | 2.000 (1.00x) |" in \
+        lines[5]
+    assert lines[6] == "| zero3 | trl | failed: ran single, not zero3 | | | | | | | | |"
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_the_trl_benchmark_runs_our_side_without_trl(tmp_path):
+    """One launch: our side of the benchmark under FSDP2, 2 steps, as the full run does it (a saved base, the
+    pairs in order), and its table; no trl imported."""
+    out = tmp_path / "trl"
+    proc = subprocess.run([sys.executable, "benchmarks/trl_dpo.py", "--output_dir", str(out), "--skip_trl",
+                           "--configs", "fsdp2", "--steps", "2"], cwd=REPO, env=isolated_env(tmp_path),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads((out / "results.json").read_text())
+    assert [(r["config"], r["side"], r["engine"]) for r in rows] == [("fsdp2", "ours", "fsdp2")]
+    assert rows[0]["steps"][0]["loss"] == pytest.approx(0.6931472, abs=1e-6) and len(rows[0]["steps"]) == 2
+    assert rows[0]["reference_state_bytes"] > 0 and "| fsdp2 | ours | fsdp2 |" in (out / "results.md").read_text()

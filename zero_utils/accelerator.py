@@ -94,7 +94,7 @@ def build_accelerator(*, per_device_batch_size: int, gradient_accumulation_steps
     if the result is not the engine the launch named. A launch that names no ZeRO engine (plain DDP, or one
     process) says in one line which `--config_file` gives ZeRO-3.
     """
-    from accelerate import Accelerator, DistributedType, PartialState
+    from accelerate import Accelerator, DistributedType
     from accelerate.utils import DistributedDataParallelKwargs, GradientAccumulationPlugin, InitProcessGroupKwargs
 
     distributed.set_wait_limit(wait_limit_s)
@@ -116,16 +116,7 @@ def build_accelerator(*, per_device_batch_size: int, gradient_accumulation_steps
     on_cpu = not torch.cuda.is_available()
     _init_process_group_after_restart(timeout, backend="gloo" if on_cpu else None)
     if on_cpu and launch["under_launcher"]:
-        # [CPU] accelerate only selects FSDP/DDP for accelerator devices; initialise gloo ourselves and tell the
-        # shared state which branch to take (verified against accelerate 1.15; a test fails if this changes).
-        if family == "fsdp2":
-            PartialState(backend="gloo", timeout=timeout)
-            PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
-        elif family == "ddp":
-            PartialState(backend="gloo", timeout=timeout)
-            PartialState._shared_state["distributed_type"] = DistributedType.MULTI_CPU
-        elif family == "deepspeed":
-            kwargs_handlers = [InitProcessGroupKwargs(backend="gloo", timeout=timeout)]
+        kwargs_handlers = adapt_cpu_launch(family, timeout) or kwargs_handlers
     if family == "ddp":
         # Gradients become views into DDP's reducer buckets instead of a second copy (-4 bytes/param).
         kwargs_handlers.append(DistributedDataParallelKwargs(gradient_as_bucket_view=True))
@@ -202,6 +193,25 @@ def check_extension_locks(max_age_s: float = STALE_LOCK_AGE_S) -> None:
             raise UserError(f"{lock} is {age_s / 60:.0f} minutes old: a DeepSpeed op build was killed and every "
                             "DeepSpeed launch would wait on it forever; if no build is running (on any node sharing "
                             f"this folder), remove it: rm {lock}")
+
+
+def adapt_cpu_launch(family: str, timeout: datetime.timedelta) -> list:
+    """[CPU] accelerate selects FSDP and DDP only for accelerator devices: a CPU launch of fsdp2.yaml would silently
+    run DDP. For `family` ('fsdp2', 'ddp', 'deepspeed'), initialise gloo and tell accelerate's shared state which
+    branch to take (verified against accelerate 1.15; a test fails if this changes), before any `Accelerator`
+    exists: ours (`build_accelerator`) or another library's (a transformers Trainer: benchmarks/trl_dpo.py). Returns
+    the kwargs handlers an `Accelerator` of ours takes for DeepSpeed (gloo), else []."""
+    from accelerate import DistributedType, PartialState
+    from accelerate.utils import InitProcessGroupKwargs
+
+    if family in ("fsdp2", "ddp"):
+        PartialState(backend="gloo", timeout=timeout)
+        PartialState._shared_state["distributed_type"] = (DistributedType.MULTI_GPU if family == "fsdp2"
+                                                          else DistributedType.MULTI_CPU)
+        return []
+    if family == "deepspeed":
+        return [InitProcessGroupKwargs(backend="gloo", timeout=timeout)]
+    return []
 
 
 def _init_process_group_after_restart(timeout: datetime.timedelta, backend: str | None) -> None:
