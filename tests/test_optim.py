@@ -4,11 +4,14 @@ resume names a changed value as it names any run setting. In a process, against 
 
 from __future__ import annotations
 
+import json
 import math
 import runpy
+import subprocess
 
 import pytest
 import torch
+from accelerate import DistributedType
 from conftest import REPO
 
 from zero_utils import checkpoint
@@ -67,3 +70,83 @@ def test_a_resume_names_a_changed_optimizer_setting():
     assert checkpoint.changed_settings(saved, current) == [
         "the run resumes with settings that differ from the checkpoint's: adam_beta2 0.95 -> 0.999, "
         "min_lr_ratio 0.1 -> 0.0."]
+
+
+class _OneProcess:
+    """What clip_gradients asks of an Accelerator, for one process without an engine."""
+
+    distributed_type = DistributedType.NO
+
+    def unscale_gradients(self):
+        pass
+
+
+def _model_with_gradients(tensors: int, seed: int = 0) -> torch.nn.Module:
+    generator = torch.Generator().manual_seed(seed)
+    model = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(7, 5)) for _ in range(tensors)])
+    for p in model:
+        p.grad = torch.randn(p.shape, generator=generator) * 3
+    return model
+
+
+def test_clipping_matches_fsum_in_fp64_and_scales_as_deepspeed_does():
+    """One process: the norm is sqrt(math.fsum of the fp64 squares) of every gradient element, and each gradient is
+    multiplied by DeepSpeed's factor 1 / max(1, (norm + 1e-6) / max_norm)."""
+    from zero_utils.optim import clip_gradients
+
+    model = _model_with_gradients(6)
+    before = [p.grad.clone() for p in model]
+    expected = math.sqrt(math.fsum(float(x) ** 2 for g in before for x in g.double().flatten()))
+    norm = clip_gradients(_OneProcess(), model, max_norm=expected / 3)
+    assert norm.dtype == torch.float64 and float(norm) == pytest.approx(expected, rel=1e-14)
+    factor = 1.0 / ((expected + 1e-6) / (expected / 3))
+    for p, g in zip(model, before, strict=True):
+        torch.testing.assert_close(p.grad, g * factor, rtol=1e-6, atol=0)
+
+
+def test_clipping_dispatches_as_many_ops_for_ten_times_the_tensors():
+    """The ops clip_gradients dispatches (a TorchDispatchMode sees the top-level aten calls) are the same in number
+    for 4 and 40 gradient tensors: foreach norms and multiplies, not one op per gradient (580 at 8B before)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from zero_utils.optim import clip_gradients
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    counts = []
+    for tensors in (4, 40):
+        model = _model_with_gradients(tensors)
+        with Count() as count:
+            clip_gradients(_OneProcess(), model, max_norm=1.0)
+        counts.append(len(count.ops))
+    assert counts[0] == counts[1] < 20, counts
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("config", ["ddp", "fsdp2"])
+def test_clipping_on_two_ranks_matches_fsum_of_the_whole_gradients(tmp_path, config):
+    """2 ranks (tests/scripts/clip_probe.py): under DDP (whole gradients on every rank, no all-reduce of the norm)
+    and FSDP2 (each rank's shards, one all-reduce) the norm equals sqrt(math.fsum) of every gathered gradient
+    element's fp64 square, and every element is scaled by DeepSpeed's factor. HSDP's sum over the shard group, not
+    the replicas: tests/test_multinode.py's HSDP run logs the 4-rank run's grad_norm at every step."""
+    from conftest import isolated_env
+
+    from zero_utils.launcher import accelerate_launch_command, config_file, free_port
+
+    out = tmp_path / "clip.json"
+    cmd = accelerate_launch_command(REPO / "tests/scripts/clip_probe.py", [str(out)], config_file=config_file(config),
+                                    num_processes=2, main_process_port=free_port(), mixed_precision="no")
+    proc = subprocess.run(cmd, cwd=REPO, env=isolated_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(out.read_text())
+    assert found["engine"] == config
+    assert found["norm"] == pytest.approx(found["fsum_norm"], rel=1e-12)
+    assert found["largest_scale_error"] < 1e-6

@@ -73,8 +73,11 @@ def clip_gradients(accelerator, model, max_norm: float):
     summed in fp64 and the gradients multiplied by 1 / max(1, (norm + 1e-6) / max_norm). The other engines clip
     here the same way, instead of with torch's `clip_grad_norm_`, which sums in fp32 (1e-5 relative off at 10^8
     parameters on CPU): a clipping factor that differs in the fifth digit is enough for bf16 training to take
-    another path (docs/PRECISION.md). FSDP2's DTensor gradients are summed over their mesh. Needs, for the largest
-    gradient (shard), an fp64 copy of it at a time, as DeepSpeed does. Engines: all.
+    another path (docs/PRECISION.md). A fixed number of ops whatever the parameter count: per device, one foreach
+    fp64 norm over the local gradients (FSDP2: this rank's shards) and one foreach multiply, and one all-reduce of the
+    sum of squares over the mesh dimensions the gradients are sharded on (FSDP2: the shard group; HSDP: not the
+    replicas, which hold the same shards; DDP and one process: none). Needs, for the largest gradient (shard), an
+    fp64 copy of it at a time, as DeepSpeed does. Engines: all.
     """
     from accelerate import DistributedType
 
@@ -82,10 +85,51 @@ def clip_gradients(accelerator, model, max_norm: float):
         return accelerator.clip_grad_norm_(model.parameters(), max_norm)
     accelerator.unscale_gradients()  # fp16's loss scale; nothing in bf16 and fp32
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]))
-    if hasattr(norm, "full_tensor"):  # DTensor: each rank holds its shards' part of the sum
-        norm = norm.full_tensor()
+    device = grads[0].device if grads else torch.device("cpu")
+    squares = torch.zeros((), dtype=torch.float64, device=device)
+    local = []
+    for groups, tensors in _local_gradients(grads).items():
+        part = _sum_of_squares(tensors, device)
+        for group in groups:  # a sharded dimension: each rank holds its shards' part of the sum
+            torch.distributed.all_reduce(part, group=group)
+        squares += part
+        local += tensors
+    norm = squares.sqrt()
     scale = 1.0 / torch.clamp((norm + 1e-6) / max_norm, min=1.0)
-    for grad in grads:
-        grad.mul_(scale)
+    for tensors in _by_device(local).values():
+        torch._foreach_mul_(tensors, scale.to(tensors[0].device))
     return norm
+
+
+def _local_gradients(grads: list[torch.Tensor]) -> dict:
+    """{the process groups of the mesh dimensions a gradient is sharded on: the local tensors of those gradients}:
+    an FSDP2 DTensor gradient's local shard under the groups its sum of squares is all-reduced over (HSDP: the shard
+    dimension, not the replicas, which hold the same shards); a plain tensor (DDP, one process) and a replicated
+    DTensor under () (whole on every rank: summed once)."""
+    from torch.distributed.tensor import DTensor
+
+    by_groups: dict = {}
+    for grad in grads:
+        if isinstance(grad, DTensor):
+            groups = tuple(grad.device_mesh.get_group(dim) for dim, placement in enumerate(grad.placements)
+                           if placement.is_shard())
+            by_groups.setdefault(groups, []).append(grad.to_local())
+        else:
+            by_groups.setdefault((), []).append(grad)
+    return by_groups
+
+
+def _by_device(tensors: list[torch.Tensor]) -> dict:
+    groups: dict = {}
+    for tensor in tensors:
+        groups.setdefault(tensor.device, []).append(tensor)
+    return groups
+
+
+def _sum_of_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The fp64 sum of the squared elements of `tensors`, 0-dim on `device`: one foreach norm per device, each
+    tensor cast to fp64 before it is squared, as `vector_norm(dtype=float64)` does."""
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for group in _by_device(tensors).values():
+        total += torch.stack(torch._foreach_norm(group, 2, dtype=torch.float64)).square().sum().to(device)
+    return total
