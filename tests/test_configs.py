@@ -315,8 +315,8 @@ def test_recipe_reads_as_components(recipe):
 # ---------------------------------------------------------------------------------------------- README and docs/
 README_MAX_LINES = 250
 # Flags the docs name that belong to other tools: torchrun and SLURM's launch, pytest, pip, trl (compared against).
-OTHER_TOOLS_FLAGS = {"--nnodes", "--nproc_per_node", "--max_restarts", "--nodes", "--durations", "--no-deps",
-                     "--no-build-isolation", "--no-index", "--target", "--quiet", "--dry-run", "--report",
+OTHER_TOOLS_FLAGS = {"--nnodes", "--nproc_per_node", "--max_restarts", "--nodes", "--cpus-per-task", "--durations",
+                     "--no-deps", "--no-build-isolation", "--no-index", "--target", "--quiet", "--dry-run", "--report",
                      "--force-reinstall", "--index-url", "--extra-index-url", "--upgrade", "--only-binary",
                      "--platform", "--python-version", "--dest", "--user", "--basetemp", "--collect-only",
                      "--junitxml", "--maxfail", "--lf", "--per_device_train_batch_size"}

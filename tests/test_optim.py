@@ -150,3 +150,27 @@ def test_clipping_on_two_ranks_matches_fsum_of_the_whole_gradients(tmp_path, con
     assert found["engine"] == config
     assert found["norm"] == pytest.approx(found["fsum_norm"], rel=1e-12)
     assert found["largest_scale_error"] < 1e-6
+
+
+def test_offload_configs_give_each_process_its_cores(monkeypatch):
+    """The host optimizer step of zero3_offload and fsdp2_offload: 16 cores (a mocked affinity) and 2 local
+    processes under the launcher's OMP_NUM_THREADS=1 give 8 threads each (on this 2-core machine with 2 processes
+    the answer, 1, would equal the launcher's and prove nothing); a user's OMP_NUM_THREADS, an engine that steps on
+    the device and one core per process change nothing."""
+    from zero_utils.accelerator import use_cores_for_host_steps
+    from zero_utils.engine import Engine
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    try:
+        for name in ("zero3_offload", "fsdp2_offload"):
+            torch.set_num_threads(1)
+            assert use_cores_for_host_steps(Engine.parse(name)) == 8 and torch.get_num_threads() == 8
+        assert use_cores_for_host_steps(Engine.parse("zero3")) is None
+        assert use_cores_for_host_steps(Engine.parse("fsdp2_offload"), cores=2) is None  # one core each
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")
+        assert use_cores_for_host_steps(Engine.parse("fsdp2_offload")) is None
+    finally:
+        torch.set_num_threads(before)

@@ -141,10 +141,36 @@ def build_accelerator(*, per_device_batch_size: int, gradient_accumulation_steps
         _adapt_fsdp_offload_for_cpu(accelerator)
     check_launch(accelerator)
     engine = Engine.of(accelerator)
+    threads = use_cores_for_host_steps(engine)
+    if threads:
+        accelerator.print(f"{engine}: the optimizer steps on the host, so each process runs {threads} threads (this "
+                          f"node's cores / its processes), not the launcher's OMP_NUM_THREADS=1; export "
+                          "OMP_NUM_THREADS to choose another number.")
     if engine.is_data_parallel_only:
         accelerator.print(f"no ZeRO engine named by the launch: running {engine}. For ZeRO-3 add --config_file "
                           "accelerate_configs/fsdp2.yaml (or zero3.yaml for DeepSpeed) to accelerate launch.")
     return accelerator, engine
+
+
+def use_cores_for_host_steps(engine: Engine, *, cores: int | None = None,
+                             local_processes: int | None = None) -> int | None:
+    """[offload] Under zero3_offload and fsdp2_offload the optimizer steps on the host (DeepSpeed's CPU Adam, torch's
+    AdamW on CPU shards), one process per GPU; `accelerate launch` sets OMP_NUM_THREADS=1 in each unless you export
+    it, so those steps would run on one core each while the node's others idle. Give each process its share:
+    `torch.set_num_threads(cores // local processes)`, `cores` the CPUs this process may run on
+    (`os.sched_getaffinity`: a SLURM allocation or cgroup cpuset counts), `local_processes` the node's
+    (LOCAL_WORLD_SIZE).
+    Returns the threads set, or None where nothing changes: no offload, OMP_NUM_THREADS exported above 1, or no
+    more than one core per process. Engines: the offload configs."""
+    if not engine.offload or int(os.environ.get("OMP_NUM_THREADS") or 1) > 1:
+        return None
+    cores = cores or len(os.sched_getaffinity(0))
+    local_processes = local_processes or int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
+    threads = cores // local_processes
+    if threads <= 1:
+        return None
+    torch.set_num_threads(threads)
+    return threads
 
 
 def close_and_exit(accelerator) -> None:
