@@ -40,6 +40,7 @@ from zero_utils.fit_check import check_fit
 from zero_utils.measurement import RunMeasurements, checkpoint_bytes
 from zero_utils.model import (
     BUNDLED_MODEL,
+    choose_attention,
     count_parameters,
     gather_trainable_state_dict,  # [LoRA]
     greedy_answer,
@@ -126,6 +127,10 @@ def main(cfg: Settings) -> None:
         max_grad_norm=cfg.max_grad_norm, log_with=tracking.trackers_for(cfg.report_to), project_dir=cfg.output_dir,
         timeout_s=cfg.collective_timeout_s, wait_limit_s=cfg.wait_limit_s)
     world = accelerator.num_processes
+    attn_implementation, attention_note = choose_attention(  # [CUDA] flash-attn's varlen kernel when installed
+        cfg.attn_implementation, accelerator.device, accelerator.mixed_precision)
+    if attention_note:
+        accelerator.print(attention_note)
     # Owns resume, cadence, async saves, keep-last, metadata and the save after SIGTERM/SIGINT/SIGUSR1.
     checkpointer = Checkpointer(
         accelerator, engine, cfg.output_dir, resume=cfg.resume, overwrite=cfg.overwrite, save_every=cfg.save_every,
@@ -140,7 +145,7 @@ def main(cfg: Settings) -> None:
     # This run's peak memory per rank, estimated term by term, against the device's: every rank stops here, before
     # the data is prepared and the model built, naming the engine or setting that fits when it does not.
     fit = check_fit(accelerator, engine, model_config, seq_len=cfg.seq_len, micro_batch_size=cfg.per_device_batch_size,
-                    activation_checkpointing=cfg.gradient_checkpointing, attn_implementation=cfg.attn_implementation,
+                    activation_checkpointing=cfg.gradient_checkpointing, attn_implementation=attn_implementation,
                     loss_chunk_tokens=cfg.loss_chunk_tokens, device_memory=cfg.device_memory, enabled=cfg.fit_check,
                     trust_remote_code=cfg.trust_remote_code,  # [LoRA] below: adapters train; QLoRA's 4-bit base
                     lora_config=lora_config, refuse=not cfg.qlora)  # [LoRA] is counted as 16-bit: warn, never stop
@@ -150,12 +155,12 @@ def main(cfg: Settings) -> None:
         accelerator, tokenizer, model_config, columns=cfg.columns, seq_len=cfg.seq_len,
         dataset=DataSource(cfg.dataset, cfg.dataset_split, cfg.dataset_config, cfg.dataset_revision),
         eval_fraction=cfg.eval_fraction, seed=cfg.seed, per_device_batch_size=cfg.per_device_batch_size,
-        gradient_accumulation_steps=cfg.gradient_accumulation_steps, attn_implementation=cfg.attn_implementation,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps, attn_implementation=attn_implementation,
         num_proc=cfg.num_proc)
     checkpointer.check(model_config, train_data.global_batch_rows)  # an incompatible checkpoint fails here
 
     # ------------------------------------------------------------------------------ model, parallelize
-    model = load_causal_lm(cfg.model, accelerator=accelerator, attn_implementation=cfg.attn_implementation or None,
+    model = load_causal_lm(cfg.model, accelerator=accelerator, attn_implementation=attn_implementation or None,
                            trust_remote_code=cfg.trust_remote_code, revision=cfg.revision,  # [LoRA]
                            quantization_config=quantization_config(cfg.qlora))  # [LoRA] QLoRA: 4-bit base
     model = get_peft_model(model, lora_config)  # [LoRA] freezes the base, adds the adapters
@@ -173,7 +178,8 @@ def main(cfg: Settings) -> None:
     run_config = {**asdict(cfg), "engine": engine.name, "world_size": world, "num_params": num_params,
                   "optimizer_param_groups": param_groups, "mixed_precision": accelerator.mixed_precision,
                   "global_batch_rows": train_data.global_batch_rows, **fit.summary(),
-                  "data_sources": train_data.info.get("sources")}  # a mixture's sources and shares
+                  "data_sources": train_data.info.get("sources"),  # a mixture's sources and shares
+                  "attention": attn_implementation or "sdpa"}  # what ran, also when the recipe chose it
     run_config["frozen_params"] = frozen_params  # [LoRA]
     tracker = tracking.RunTracker(accelerator, cfg.output_dir, cfg.report_to, cfg.project, config=run_config,
                                   run_name=f"{engine}-{world}x", group=cfg.group or None,

@@ -16,7 +16,8 @@ Features, the flag that controls each, and its cost:
                 a save_to_disk folder), --dataset_split TRAIN[,EVAL], --dataset_config, --dataset_revision
                 (--revision pins --model), --columns; packed to --seq_len with
                 per-example position ids; --attn_implementation sdpa/eager keep examples apart with block
-                masks, flash_attention_2/3/4 with varlen offsets (others refused); loss only on answer tokens
+                masks, flash_attention_2/3/4 with varlen offsets (others refused; unset on CUDA in bf16 with
+                flash-attn installed: flash_attention_2, said in one line); loss only on answer tokens
                 (text: every token, long documents split into windows); rows prepared once per job in bounded
                 memory and reused by a relaunch with the same data and settings (zero_utils/prepared_rows.py),
                 tokenized by --num_proc forked processes (default the CPUs, at most 8; ~20 MB of RAM each)
@@ -62,6 +63,7 @@ from zero_utils.fit_check import check_fit
 from zero_utils.measurement import RunMeasurements, checkpoint_bytes
 from zero_utils.model import (
     BUNDLED_MODEL,
+    choose_attention,
     count_parameters,
     greedy_answer,
     load_causal_lm,
@@ -140,6 +142,10 @@ def main(cfg: Settings) -> None:
         max_grad_norm=cfg.max_grad_norm, log_with=tracking.trackers_for(cfg.report_to), project_dir=cfg.output_dir,
         timeout_s=cfg.collective_timeout_s, wait_limit_s=cfg.wait_limit_s)
     world = accelerator.num_processes
+    attn_implementation, attention_note = choose_attention(  # [CUDA] flash-attn's varlen kernel when installed
+        cfg.attn_implementation, accelerator.device, accelerator.mixed_precision)
+    if attention_note:
+        accelerator.print(attention_note)
     # Owns resume, cadence, async saves, keep-last, metadata and the save after SIGTERM/SIGINT/SIGUSR1.
     checkpointer = Checkpointer(
         accelerator, engine, cfg.output_dir, resume=cfg.resume, overwrite=cfg.overwrite, save_every=cfg.save_every,
@@ -152,7 +158,7 @@ def main(cfg: Settings) -> None:
     # This run's peak memory per rank, estimated term by term, against the device's: every rank stops here, before
     # the data is prepared and the model built, naming the engine or setting that fits when it does not.
     fit = check_fit(accelerator, engine, model_config, seq_len=cfg.seq_len, micro_batch_size=cfg.per_device_batch_size,
-                    activation_checkpointing=cfg.gradient_checkpointing, attn_implementation=cfg.attn_implementation,
+                    activation_checkpointing=cfg.gradient_checkpointing, attn_implementation=attn_implementation,
                     loss_chunk_tokens=cfg.loss_chunk_tokens, device_memory=cfg.device_memory, enabled=cfg.fit_check,
                     trust_remote_code=cfg.trust_remote_code)
 
@@ -162,12 +168,12 @@ def main(cfg: Settings) -> None:
         accelerator, tokenizer, model_config, columns=cfg.columns, seq_len=cfg.seq_len,
         dataset=DataSource(cfg.dataset, cfg.dataset_split, cfg.dataset_config, cfg.dataset_revision),
         eval_fraction=cfg.eval_fraction, seed=cfg.seed, per_device_batch_size=cfg.per_device_batch_size,
-        gradient_accumulation_steps=cfg.gradient_accumulation_steps, attn_implementation=cfg.attn_implementation,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps, attn_implementation=attn_implementation,
         num_proc=cfg.num_proc)
     checkpointer.check(model_config, train_data.global_batch_rows)  # an incompatible checkpoint fails here
 
     # ------------------------------------------------------------------------------ model, parallelize
-    model = load_causal_lm(cfg.model, accelerator=accelerator, attn_implementation=cfg.attn_implementation or None,
+    model = load_causal_lm(cfg.model, accelerator=accelerator, attn_implementation=attn_implementation or None,
                            trust_remote_code=cfg.trust_remote_code, revision=cfg.revision)
     num_params = count_parameters(model, trainable_only=True)
     parallelize(model, accelerator, engine, activation_checkpointing=cfg.gradient_checkpointing,
@@ -182,7 +188,8 @@ def main(cfg: Settings) -> None:
     run_config = {**asdict(cfg), "engine": engine.name, "world_size": world, "num_params": num_params,
                   "optimizer_param_groups": param_groups, "mixed_precision": accelerator.mixed_precision,
                   "global_batch_rows": train_data.global_batch_rows, **fit.summary(),
-                  "data_sources": train_data.info.get("sources")}  # a mixture's sources and shares
+                  "data_sources": train_data.info.get("sources"),  # a mixture's sources and shares
+                  "attention": attn_implementation or "sdpa"}  # what ran, also when the recipe chose it
     tracker = tracking.RunTracker(accelerator, cfg.output_dir, cfg.report_to, cfg.project, config=run_config,
                                   run_name=f"{engine}-{world}x", group=cfg.group or None,
                                   resumed=checkpointer.resumed)  # a resumed run continues its W&B run

@@ -98,3 +98,26 @@ def test_unproven_attention_implementation_is_refused():
     assert attention.packing_path("flash_attention_2") == attention.VARLEN
     with pytest.raises(UserError, match="--attn_implementation flex_attention is not known to keep packed"):
         attention.packing_path("flex_attention")
+
+
+def test_cuda_takes_flash_attention_for_packed_rows_when_it_is_installed(monkeypatch):
+    """zero_utils.model.choose_attention, with flash-attn's presence mocked (no GPU here): on CUDA in bf16 with
+    flash-attn the recipes take flash_attention_2 (its varlen kernel keeps packed examples apart) and say so; without
+    it, or in fp32, sdpa stays and one line says packed rows run SDPA's masked kernel; a flag given, or the CPU,
+    change nothing and print nothing."""
+    import transformers.utils
+
+    from zero_utils.attention import VARLEN, packing_path
+    from zero_utils.model import FLASH, choose_attention
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    monkeypatch.setattr(transformers.utils, "is_flash_attn_2_available", lambda: True)
+    chosen, line = choose_attention("", cuda, "bf16")
+    assert chosen == FLASH and packing_path(chosen) == VARLEN
+    assert line.startswith("attention: flash_attention_2 (flash-attn is installed, compute in bf16)")
+    assert choose_attention("sdpa", cuda, "bf16") == ("sdpa", "") and choose_attention("", cpu, "bf16") == ("", "")
+    chosen, line = choose_attention("", cuda, "no")
+    assert chosen == "" and "masked kernel" in line and "flash-attn runs in bf16/fp16 only" in line
+    monkeypatch.setattr(transformers.utils, "is_flash_attn_2_available", lambda: False)
+    chosen, line = choose_attention("", cuda, "bf16")
+    assert chosen == "" and "pip install flash-attn" in line

@@ -72,6 +72,30 @@ def load_config(name_or_path: str, trust_remote_code: bool = False, revision: st
     return config
 
 
+FLASH = "flash_attention_2"
+
+
+def choose_attention(requested: str, device: torch.device, mixed_precision: str) -> tuple[str, str]:
+    """The attention implementation (`load_causal_lm`'s `attn_implementation`) a recipe with packed rows runs, and a
+    line saying why ('' when there is nothing to say). `requested` (--attn_implementation) when given. Else, on a
+    CUDA device with bf16/fp16 compute and flash-attn installed (transformers' `is_flash_attn_2_available`), FLASH:
+    packed rows take its varlen kernel (zero_utils.attention), where sdpa gets the dense block mask transformers
+    builds per row and SDPA cannot use its flash kernel with a mask. Else '' (transformers' default, sdpa), with a
+    line on CUDA saying that packed rows run SDPA's masked kernel and how to get the other. CPU: ('', '') whatever
+    is installed. Engines: all."""
+    if requested or device.type != "cuda":
+        return requested, ""
+    from transformers.utils import is_flash_attn_2_available
+
+    if mixed_precision in ("bf16", "fp16") and is_flash_attn_2_available():
+        return FLASH, (f"attention: {FLASH} (flash-attn is installed, compute in {mixed_precision}): packed rows take "
+                       "its varlen kernel; --attn_implementation sdpa keeps transformers' default.")
+    why = ("flash-attn runs in bf16/fp16 only" if is_flash_attn_2_available()
+           else "pip install flash-attn and the recipe takes its varlen kernel")
+    return "", ("attention: sdpa. With packed rows transformers gives it a dense block mask per row, so SDPA runs its "
+                f"masked kernel, not its flash one ({why}).")
+
+
 def load_causal_lm(name_or_path: str, *, accelerator=None, attn_implementation: str | None = None,
                    trust_remote_code: bool = False, quantization_config=None, revision: str | None = None):
     """Build or load a `transformers` causal LM in fp32 (master weights; mixed precision casts for compute).
