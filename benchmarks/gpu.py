@@ -26,7 +26,8 @@ budget left is skipped, with that reason), each writing <output_dir>/<step>.json
                      --batch_size rows per micro-batch, accumulation 1 and 2, under fsdp2.yaml, then zero3.yaml
                      when DeepSpeed imports. From the run's summary.json: tokens/s (median over steps), MFU, the
                      peak memory allocated next to the fit check's estimate, the model-state bytes measured next to
-                     the formula's.
+                     the formula's, and what CUDA's sync debug mode reported in step 3 (expected: the one host sync
+                     of reduce_step_values, transformers' packed-rows check per forward; tests/scripts/sync_probe.py).
 MFU = model FLOPs per token x tokens/s / peak, against the device's published bf16 dense peak and the measured matmul
 peak, with model FLOPs per token (PaLM, Chowdhery et al. 2022, appendix B) = 6 N + 12 L h s: N = parameters in
 matmuls (all but the input embedding, a lookup), L layers, h hidden size, s seq_len (the full s x s attention).
@@ -140,6 +141,7 @@ def recipe_figures(summary: dict, config, seq_len: int, peaks: dict) -> dict:
                                            "model_state_bytes", "model_state_bytes_expected", "num_params",
                                            "final_loss", "global_batch_rows")}
     figures["flops_per_token"] = flops_per_token
+    figures["cuda_syncs_in_step_3"] = (summary.get("cuda_syncs_in_step_per_rank") or [None])[0]  # rank 0's
     for name, peak in peaks.items():
         figures[f"mfu_{name}_peak"] = flops_per_token * summary["tokens_per_s"] / peak if peak else None
     figures["peak_over_estimate"] = summary["peak_mem_bytes"] / summary["peak_mem_bytes_estimated"]
@@ -203,6 +205,8 @@ def main() -> None:
                                                                       os.environ.get("PYTHONPATH")])),
            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TQDM_DISABLE": "1", "TOKENIZERS_PARALLELISM": "false",
            "HF_HOME": str(output_dir / "hf_home"), "BENCH_NO_CHECKPOINTS": "1",
+           # what CUDA reports as synchronising in step 3 (tests/scripts/sync_probe.py; one step, no Python tracking)
+           "ZERO_RECIPES_HARNESS_CUDA_SYNC_PROBE": "3",
            # DeepSpeed JIT-builds ops against its own sources (on CPU its shared-memory comm op, at every launch):
            # the private copy's build goes here, so the machine's op cache stays built for its own DeepSpeed.
            "TORCH_EXTENSIONS_DIR": str(output_dir / "torch_extensions")}

@@ -73,6 +73,30 @@ WHOLE_LOGITS = ("--loss_chunk_tokens", "0")  # the twin of a chunked run: the wh
 LOSS_PROBE = {"ZERO_RECIPES_HARNESS_LOSS_PROBE": "1"}  # tests/scripts/loss_probe.py
 
 
+def sync_probe(step: int) -> dict:
+    """The environment that probes optimizer step `step` for host syncs (tests/scripts/sync_probe.py): a step past
+    the model-state measurements of steps 1-2, with a step after it, so that the window is one whole step."""
+    return {"ZERO_RECIPES_HARNESS_SYNC_PROBE": str(step)}
+
+
+def assert_one_host_sync(run: Run, forwards: int) -> None:
+    """On every rank, the probed step made the one documented host sync (`distributed.reduce_step_values`: loss,
+    gradient norm, peaks and stop flag cross to the host together), none other in our code, accelerate's or
+    torch's, and no blocking host-to-device copy. transformers' model forward reads one value of its own per call,
+    to find packed rows (`masking_utils.find_packed_sequence_indices`, even for plain position ids): `forwards`
+    such calls in the step. DeepSpeed's own syncs are not counted (its engine's, not ours)."""
+    from collections import Counter
+
+    for rank, probed in enumerate(run.summary()["host_syncs_in_step_per_rank"]):
+        assert probed["complete"], rank
+        ours = [(s["call"], s["where"].split()[-1]) for s in probed["syncs"]
+                if not s["where"].startswith(("transformers/", "deepspeed/"))]
+        assert ours == [("tolist", "reduce_step_values")], (rank, probed["syncs"])
+        theirs = Counter(s["where"].split()[-1] for s in probed["syncs"] if s["where"].startswith("transformers/"))
+        assert theirs == {"find_packed_sequence_indices": forwards}, (rank, probed["syncs"])
+        assert probed["host_to_device_copies"]["blocking"] == 0 and probed["host_to_device_copies"]["non_blocking"]
+
+
 def launch(output_dir: Path, *recipe_args: str, config: str | None = None, num_processes: int | None = 2,
            mixed_precision: str | None = None, recipe: str = "recipes/llama_zero3.py", launch_args: tuple = (),
            env: dict | None = None, timeout: int = 600) -> Run:
@@ -149,17 +173,23 @@ def small_model(session_root) -> str:
 
 
 @pytest.fixture(scope="session")
-def run_layout(runs, small_model):
+def run_layout(runs, small_model, session_root):
     """`run_layout(engine, world, per_device_batch, accumulation)`: the shared 8-step run of that layout
-    ('single' = one process, no config)."""
+    ('single' = one process, no config); step 5 is probed for host syncs (`LAYOUT_SYNC_PROBE_STEP`)."""
+    env = {**isolated_env(session_root), **sync_probe(LAYOUT_SYNC_PROBE_STEP)}
+
     def get(engine: str, world: int, batch: int, accumulation: int) -> Run:
         args = (*EIGHT_STEPS, "--model", small_model, "--per_device_batch_size", str(batch),
                 "--gradient_accumulation_steps", str(accumulation))
         if engine == "single":
-            return runs(f"zm-single-{batch}x{accumulation}", *args, num_processes=1, mixed_precision="no").check()
+            return runs(f"zm-single-{batch}x{accumulation}", *args, num_processes=1, mixed_precision="no",
+                        env=env).check()
         return runs(f"zm-{engine}-{world}-{batch}x{accumulation}", *args, config=engine, num_processes=world,
-                    mixed_precision="no").check()
+                    mixed_precision="no", env=env).check()
     return get
+
+
+LAYOUT_SYNC_PROBE_STEP = 5  # of EIGHT_STEPS: no checkpoint (4, 8), no model-state measurement (1, 2)
 
 
 def assert_chunked_equals_whole(chunked: Run, whole: Run, weights: str = "final/model.safetensors") -> None:

@@ -47,7 +47,7 @@ def tiny_llama(vocab_size: int, implementation: str):
 def logits_of_each_example(model, batch, examples, use_boundaries=True):
     """(packed, alone) logits per example: from the packed micro-batch, and from the example run by itself."""
     path = attention.packing_path(model.config._attn_implementation)
-    kwargs = attention.packed_kwargs(batch["position_ids"], path) if use_boundaries else {}
+    kwargs = attention.packed_kwargs(batch["position_ids"], path, "cpu") if use_boundaries else {}
     with torch.no_grad():
         logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False,
                        **kwargs).logits
@@ -91,6 +91,30 @@ def test_varlen_boundaries_cover_every_example_and_row():
     kwargs = attention.varlen_kwargs(position_ids)
     assert kwargs["cu_seq_lens_q"].tolist() == [0, 3, 5, 6, 10, 12] and kwargs["cu_seq_lens_q"].dtype == torch.int32
     assert kwargs["max_length_q"] == kwargs["max_length_k"] == 4
+
+
+def test_a_packed_micro_batch_reaches_the_device_with_no_device_value_read(packed_batch):
+    """What a GPU step receives, on the meta device (where reading any value, `nonzero` or `int()`, raises as it
+    would make a GPU wait): the varlen offsets are found on the host rows and copied once for queries and keys; the
+    micro-batch's tensors all arrive on the device."""
+    import datasets
+
+    from zero_utils import data
+
+    batch, _, _ = packed_batch
+    kwargs = attention.packed_kwargs(batch["position_ids"], attention.VARLEN, "meta")
+    assert kwargs["cu_seq_lens_q"] is kwargs["cu_seq_lens_k"] and kwargs["cu_seq_lens_q"].device.type == "meta"
+    assert kwargs["max_length_q"] == attention.varlen_kwargs(batch["position_ids"])["max_length_q"] > 0
+    assert attention.packed_kwargs(batch["position_ids"], attention.BLOCK_MASK, "meta") == {}
+    rows = datasets.Dataset.from_dict({**{k: v.tolist() for k, v in batch.items()},
+                                       "labels": batch["input_ids"].tolist(), "num_loss_tokens": [64, 64]})
+    rows = rows.with_format("torch", columns=["input_ids", "labels", "position_ids"])
+    train_data = data.TrainingData(rows, rows, {}, seq_len=64, per_device_batch_size=1, gradient_accumulation_steps=2,
+                                   seed=0, attention_path=attention.VARLEN, rank=0, world_size=1,
+                                   device=torch.device("meta"))
+    for micro in [*train_data.step_batches(1).micro_batches, *train_data.eval_batches()]:
+        tensors = [micro.labels, *(v for v in micro.inputs.values() if isinstance(v, torch.Tensor))]
+        assert len(tensors) == 5 and {t.device.type for t in tensors} == {"meta"}
 
 
 def test_unproven_attention_implementation_is_refused():

@@ -218,7 +218,7 @@ def test_eval_batches_are_equal_in_number_on_every_rank():
         def __getitem__(self, idx):
             return {k: v[idx] for k, v in table.items()}
 
-    per_rank = [list(data.eval_micro_batches(Rows(), r, 4, 1, "cpu")) for r in range(4)]
+    per_rank = [list(data.eval_micro_batches(Rows(), r, 4, 1)) for r in range(4)]
     assert {len(b) for b in per_rank} == {2}
     real = [int(b["labels"][0, 0]) for batches in per_rank for b in batches
             if (b["labels"] != sft_examples.IGNORE_INDEX).any()]

@@ -110,6 +110,14 @@ def test_truncation_keeps_the_first_seq_len_tokens_and_drops_pairs_without_an_an
     assert tokenize_pair(tokenizer, "Spell the word tiger.", "t-i-g-e-r", "tiger", prompt_tokens) is None
 
 
+def unpadded(row: torch.Tensor, pad_token_id: int) -> list[int]:
+    """A right-padded row's tokens without the padding."""
+    tokens = row.tolist()
+    while tokens and tokens[-1] == pad_token_id:
+        tokens.pop()
+    return tokens
+
+
 def test_a_pairs_answers_share_a_micro_batch_chosen_rows_first(tokenizer):
     from datasets import Dataset
 
@@ -129,8 +137,8 @@ def test_a_pairs_answers_share_a_micro_batch_chosen_rows_first(tokenizer):
     for rank_data in data:
         for micro in rank_data.step_batches(1).micro_batches:
             assert micro.inputs["input_ids"].shape[0] == 2  # one pair: its chosen row, then its rejected row
-            chosen, rejected = (row[mask.bool()].tolist() for row, mask in zip(
-                micro.inputs["input_ids"], micro.inputs["attention_mask"], strict=True))
+            assert set(micro.inputs) == {"input_ids", "use_cache"}  # right-padded, causal: no mask to read
+            chosen, rejected = (unpadded(row, 3) for row in micro.inputs["input_ids"])
             match = next(p for p in pairs if p["chosen_ids"] == chosen)
             assert match["rejected_ids"] == rejected
             seen.append(chosen)
@@ -165,7 +173,7 @@ def test_precomputed_log_probs_reach_each_micro_batch_by_pair_and_average_as_the
         micro_batches = [*data.step_batches(1).micro_batches, *(m for m, _ in data.eval_batches()),
                          *(m for m, _ in data.strided_batches("train"))]
         for micro in micro_batches:
-            chosen = micro.inputs["input_ids"][0][micro.inputs["attention_mask"][0].bool()].tolist()
+            chosen = unpadded(micro.inputs["input_ids"][0], 3)
             i = next(k for k, p in enumerate(pairs) if p["chosen_ids"] == chosen)
             assert micro.reference_logps.tolist() == [-float(i), -10.0 - i]
     token_logps = torch.tensor([[-1.0, -3.0, 0.0], [-4.0, -2.0, -6.0]])
@@ -247,12 +255,12 @@ PROBED = {"fsdp2", "fsdp2_zero2"}  # the reference's gathered parameters recorde
 def dpo_run(runs, session_root):
     """`dpo_run(config, mixed_precision="no", world=2, batch=4, accumulation=1)`: 4 DPO steps (sigmoid) on the
     bundled model and pairs, a global batch of 8 pairs; config None = one process without an accelerate config.
-    Probes (tests/scripts/harness.py): the live tensor bytes at the end of step 1; the reference's gathered
-    parameters and weak references under FSDP2 and ZeRO-3."""
-    from conftest import isolated_env
+    Probes (tests/scripts/harness.py): the live tensor bytes at the end of step 1; the host syncs of step 3; the
+    reference's gathered parameters and weak references under FSDP2 and ZeRO-3."""
+    from conftest import isolated_env, sync_probe
 
     def get(config, mixed_precision="no", world=2, batch=4, accumulation=1):
-        env = {**isolated_env(session_root), "ZERO_RECIPES_HARNESS_LIVE_TENSORS": "1",
+        env = {**isolated_env(session_root), "ZERO_RECIPES_HARNESS_LIVE_TENSORS": "1", **sync_probe(3),
                **({"ZERO_RECIPES_HARNESS_REFERENCE_PROBE": "1"} if config in PROBED | {"zero3"} else {})}
         name = f"dpo-{config or 'single'}-{mixed_precision}-{world}x{batch}x{accumulation}"
         return runs(name, *FOUR_STEPS, "--per_device_batch_size", str(batch), "--gradient_accumulation_steps",
@@ -354,6 +362,17 @@ def test_engines_train_as_one_process_does(dpo_run, engine):
     for key in ("loss", "reward_margin", "logps_chosen"):
         assert [m[key] for m in run.metrics()] == pytest.approx([m[key] for m in single], rel=LOSS_RTOL, abs=1e-6)
     assert single[-1]["reward_margin"] > 0  # trained: the comparison is not of zeros
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_dpo_step_syncs_the_host_once(dpo_run):
+    """FSDP2, step 3 (tests/scripts/sync_probe.py): the pairs reach the device without blocking and without a mask
+    to read; the step's one host sync is ours, and transformers' packed-rows check runs once per forward (the
+    policy's and the reference's)."""
+    from conftest import assert_one_host_sync
+
+    assert_one_host_sync(dpo_run("fsdp2"), forwards=2)
 
 
 @pytest.mark.distributed

@@ -12,14 +12,14 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from conftest import free_port, isolated_env
+from conftest import assert_one_host_sync, free_port, isolated_env, sync_probe
 
 from zero_utils import distributed
 from zero_utils.checkpoint import JOB_TOKEN_FILE, sees_job_token
 from zero_utils.errors import UserError
 
 PREP_S, EXPORT_S, TIMEOUT_S = 15, 12, 10  # each wait outlasts the timeout
-ARGS = ("--max_steps", "3", "--per_device_batch_size", "2", "--seq_len", "128", "--eval_fraction", "0",
+ARGS = ("--max_steps", "4", "--per_device_batch_size", "2", "--seq_len", "128", "--eval_fraction", "0",
         "--max_new_tokens", "2", "--report_to", "none", "--collective_timeout_s", str(TIMEOUT_S))
 
 
@@ -65,7 +65,8 @@ def slow_flash_run(runs, session_root):
     log = session_root / "varlen-probe-calls.txt"
     env = {**isolated_env(session_root), "ZERO_RECIPES_HARNESS_SLOW_PREP_S": str(PREP_S),
            "ZERO_RECIPES_HARNESS_SLOW_EXPORT_S": str(EXPORT_S), "ZERO_RECIPES_HARNESS_VARLEN_PROBE": "1",
-           "ZERO_RECIPES_PROBE_LOG": str(log), "HF_HOME": str(session_root / "hf_home_slow")}  # a cold data cache
+           "ZERO_RECIPES_PROBE_LOG": str(log), "HF_HOME": str(session_root / "hf_home_slow"),  # a cold data cache
+           **sync_probe(3)}
     start = time.monotonic()
     run = runs("slow-prep-varlen", *ARGS, "--attn_implementation", "varlen_probe", recipe="tests/scripts/harness.py",
                config="fsdp2", mixed_precision="no", env=env, timeout=400)
@@ -78,7 +79,15 @@ def test_rank_0_preparation_and_export_outlast_the_collective_timeout(slow_flash
     run, wall_s, _ = slow_flash_run
     run.check()
     assert wall_s > PREP_S + EXPORT_S  # the waits really happened, each longer than --collective_timeout_s
-    assert run.summary()["steps"] == 3 and (run.output_dir / "final" / "model.safetensors").exists()
+    assert run.summary()["steps"] == 4 and (run.output_dir / "final" / "model.safetensors").exists()
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_flash_attention_step_syncs_the_host_once(slow_flash_run):
+    """Step 3 (tests/scripts/sync_probe.py): the varlen offsets were found on the host rows and copied with them,
+    without blocking; the step's one host sync is ours, transformers' packed-rows check its own."""
+    assert_one_host_sync(slow_flash_run[0].check(), forwards=1)
 
 
 @pytest.mark.distributed
@@ -88,6 +97,6 @@ def test_flash_attention_path_trains_as_sdpa_does(slow_flash_run, runs):
     and training equals sdpa's block masks: same losses."""
     run, _, log = slow_flash_run
     calls = log.read_text().split()
-    assert calls.count("flash_attn_varlen_func") >= 3 * 2 * 4  # steps x ranks x 4 layers (1 micro-batch a step)
+    assert calls.count("flash_attn_varlen_func") >= 4 * 2 * 4  # steps x ranks x 4 layers (1 micro-batch a step)
     sdpa = runs("slow-prep-sdpa-reference", *ARGS, config="fsdp2", mixed_precision="no").check()
     assert [m["loss"] for m in run.check().metrics()] == pytest.approx([m["loss"] for m in sdpa.metrics()], rel=1e-5)

@@ -12,7 +12,15 @@ import json
 
 import pytest
 import torch
-from conftest import EIGHT_STEPS, LOSS_PROBE, WHOLE_LOGITS, Run, assert_chunked_equals_whole, isolated_env
+from conftest import (
+    EIGHT_STEPS,
+    LOSS_PROBE,
+    WHOLE_LOGITS,
+    Run,
+    assert_chunked_equals_whole,
+    assert_one_host_sync,
+    isolated_env,
+)
 from safetensors.torch import load_file
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -57,6 +65,14 @@ def assert_same_training(run: Run, reference: Run) -> None:
 @pytest.mark.parametrize("engine", ENGINES)
 def test_engine_matches_single_process(run_layout, reference, engine, world, batch, accumulation):
     assert_same_training(run_layout(engine, world, batch, accumulation), reference)
+
+
+@pytest.mark.parametrize("engine", ["single", *ENGINES])
+def test_a_training_step_syncs_the_host_once(run_layout, engine):
+    """Step 5 of the 4-rank layout (2 micro-batches a step; one process: 1 x 8 rows), probed on every rank
+    (tests/scripts/sync_probe.py): one host sync in our code, transformers' one per forward, no blocking copy."""
+    run = run_layout(engine, 1, 8, 1) if engine == "single" else run_layout(engine, *LAYOUT_OF_WORLD[4])
+    assert_one_host_sync(run, forwards=1 if engine == "single" else 2)
 
 
 @pytest.mark.parametrize("engine", OFFLOAD_ENGINES)

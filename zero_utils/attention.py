@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from zero_utils.errors import UserError
+from zero_utils.transfer import to_device
 
 BLOCK_MASK = "block_mask"  # transformers builds per-row block-diagonal masks from position_ids
 VARLEN = "varlen"  # example boundaries passed to the varlen kernel as cumulative sequence lengths
@@ -47,23 +48,29 @@ def packing_path(attn_implementation: str | None) -> str:
 def varlen_kwargs(position_ids: torch.Tensor) -> dict:
     """Example boundaries of a packed micro-batch for a varlen (flash-attention) kernel.
 
-    `position_ids`: LongTensor [B, S] restarting at 0 at each example. Returns {"cu_seq_lens_q", "cu_seq_lens_k":
-    int32 [num_examples + 1] cumulative token offsets into the flattened B*S tokens (0 first, B*S last; a new
-    example starts wherever a position does not follow its predecessor by 1, and at every row), "max_length_q",
-    "max_length_k": the longest example in tokens (int)}.
+    `position_ids`: LongTensor [B, S] restarting at 0 at each example, on the host (the CPU rows before they are
+    copied: finding the boundaries needs `nonzero` and the longest example an `int`, which on a GPU tensor would
+    each make the host wait for the device). Returns {"cu_seq_lens_q", "cu_seq_lens_k": int32 [num_examples + 1]
+    cumulative token offsets into the flattened B*S tokens (0 first, B*S last; a new example starts wherever a
+    position does not follow its predecessor by 1, and at every row), on the device of `position_ids` (copy them
+    with the batch), "max_length_q", "max_length_k": the longest example in tokens (int)}.
     """
     batch_size, seq_len = position_ids.shape
     starts = torch.ones_like(position_ids, dtype=torch.bool)
     starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
     start_offsets = starts.flatten().nonzero().flatten()
-    end = torch.tensor([batch_size * seq_len], device=position_ids.device)
-    cu_seq_lens = torch.cat([start_offsets, end]).to(torch.int32)
+    cu_seq_lens = torch.cat([start_offsets, start_offsets.new_full((1,), batch_size * seq_len)]).to(torch.int32)
     max_length = int((cu_seq_lens[1:] - cu_seq_lens[:-1]).max())
     return {"cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens,
             "max_length_q": max_length, "max_length_k": max_length}
 
 
-def packed_kwargs(position_ids: torch.Tensor, path: str) -> dict:
-    """Extra model-call kwargs for a packed micro-batch (`position_ids` [B, S]) on `path` (from `packing_path`):
-    none for `BLOCK_MASK`, `varlen_kwargs` for `VARLEN`."""
-    return varlen_kwargs(position_ids) if path == VARLEN else {}
+def packed_kwargs(position_ids: torch.Tensor, path: str, device) -> dict:
+    """Extra model-call kwargs for a packed micro-batch on `path` (from `packing_path`): none for `BLOCK_MASK`;
+    for `VARLEN`, `varlen_kwargs` of the host `position_ids` [B, S], its offsets copied to `device` once, without
+    blocking (`transfer.to_device`), and used for both queries and keys."""
+    if path != VARLEN:
+        return {}
+    kwargs = varlen_kwargs(position_ids)
+    kwargs["cu_seq_lens_q"] = kwargs["cu_seq_lens_k"] = to_device(kwargs["cu_seq_lens_q"], device)
+    return kwargs

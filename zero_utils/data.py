@@ -40,6 +40,7 @@ from zero_utils.data_sources import DataSource
 from zero_utils.errors import UserError
 from zero_utils.prepared_mixture import prepare_mixture_rows
 from zero_utils.sft_examples import IGNORE_INDEX, parse_column_map
+from zero_utils.transfer import to_device
 
 BUNDLED_DATASET = str(Path(__file__).resolve().parent / "assets" / "sft_tiny.jsonl")
 
@@ -143,21 +144,20 @@ def describe(info: dict, seq_len: int) -> str:
                    else f"; rows prepared in {info['folder']}{by}{where}" if info.get("folder") else "")
 
 
-def eval_micro_batches(rows, rank: int, world_size: int, per_device_batch_size: int, device):
-    """Yield this rank's eval batches (rows strided over ranks). Every rank yields the same number of batches, so
-    sharded engines (whose forward is a collective) never wait on a rank that has finished; filler rows have no
-    loss tokens."""
+def eval_micro_batches(rows, rank: int, world_size: int, per_device_batch_size: int):
+    """Yield this rank's eval batches (rows strided over ranks), on the host: {input_ids, labels, position_ids}
+    [B, S]. Every rank yields the same number of batches, so sharded engines (whose forward is a collective) never
+    wait on a rank that has finished; filler rows have no loss tokens."""
     n = len(rows)
     mine = list(range(rank, n, world_size))
     num_batches = math.ceil(math.ceil(n / world_size) / per_device_batch_size)
     for i in range(num_batches):
         idx = mine[i * per_device_batch_size:(i + 1) * per_device_batch_size]
         batch = rows[idx] if idx else rows[[0]]
-        batch = {k: batch[k].to(device) for k in ("input_ids", "labels", "position_ids")}
+        batch = {k: batch[k] for k in ("input_ids", "labels", "position_ids")}
         if not idx:
             batch["labels"] = torch.full_like(batch["labels"], IGNORE_INDEX)
         yield batch
-
 
 
 @dataclass
@@ -266,9 +266,8 @@ class TrainingData:
         forward never waits on a rank that has finished (`eval_micro_batches`)."""
         if self.eval_rows is None:
             return
-        for batch in eval_micro_batches(self.eval_rows, self.rank, self.world_size, self.per_device_batch_size,
-                                        self.device):
-            yield self._micro_batch(batch, on_device=True)
+        for batch in eval_micro_batches(self.eval_rows, self.rank, self.world_size, self.per_device_batch_size):
+            yield self._micro_batch(batch)
 
     def describe(self) -> str:
         """The batch arithmetic and the packed data, in two lines for the start of a run."""
@@ -276,8 +275,12 @@ class TrainingData:
                 f"{self.world_size} = global batch {self.global_batch_rows} rows = {self.tokens_per_step} tokens\n"
                 + describe(self.info, self.seq_len))
 
-    def _micro_batch(self, rows, on_device: bool = False) -> MicroBatch:
-        batch = rows if on_device else {k: rows[k].to(self.device) for k in ("input_ids", "labels", "position_ids")}
+    def _micro_batch(self, rows) -> MicroBatch:
+        """A micro-batch on the device from host rows: the packing arguments are computed from the host position
+        ids, then everything is copied without blocking (`transfer.to_device`), so the step's only host sync stays
+        the one of `distributed.reduce_step_values`."""
+        packing = attention.packed_kwargs(rows["position_ids"], self.attention_path, self.device)  # before the copy
+        batch = {k: to_device(rows[k], self.device) for k in ("input_ids", "labels", "position_ids")}
         inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False,
-                  **attention.packed_kwargs(batch["position_ids"], self.attention_path)}
+                  **packing}
         return MicroBatch(inputs, batch["labels"])

@@ -2,7 +2,7 @@
 process (or each node's) alone while the others wait outside the collective timeout, one parameter gathered whole.
 
 Every function here must be called by every rank at the same point, unless its docstring says otherwise.
-This module is a bottom layer: it imports only zero_utils.errors.
+This module is a bottom layer: it imports only zero_utils.errors and zero_utils.transfer.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import os
 import torch
 
 from zero_utils.errors import UserError
+from zero_utils.transfer import to_device
 
 
 def max_over_ranks(accelerator, values: dict[str, int]) -> dict[str, int]:
@@ -28,8 +29,12 @@ def per_rank(accelerator, values: dict[str, int]) -> dict[str, list[int]]:
 
 
 def _every_rank(accelerator, values: list) -> torch.Tensor:
-    """A (ranks x len(values)) float64 tensor of every rank's scalars, from one all-gather."""
-    local = torch.stack([torch.as_tensor(v, dtype=torch.float64).to(accelerator.device).reshape(()) for v in values])
+    """A (ranks x len(values)) float64 tensor of every rank's scalars, from one all-gather. The Python numbers
+    among `values` travel to the device together, in one copy that does not block (`transfer.to_device`)."""
+    numbers = iter(to_device(torch.tensor([float(v) for v in values if not isinstance(v, torch.Tensor)],
+                                          dtype=torch.float64), accelerator.device).unbind())
+    local = torch.stack([to_device(v.to(torch.float64), accelerator.device).reshape(())
+                         if isinstance(v, torch.Tensor) else next(numbers) for v in values])
     return accelerator.gather(local).reshape(-1, len(values)) if accelerator.num_processes > 1 else local[None]
 
 

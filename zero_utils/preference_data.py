@@ -25,6 +25,7 @@ from zero_utils.errors import UserError
 from zero_utils.preference_examples import parse_pair_columns
 from zero_utils.prepared_pairs import prepare_pairs
 from zero_utils.sft_examples import IGNORE_INDEX
+from zero_utils.transfer import to_device
 
 BUNDLED_PREFERENCES = str(Path(__file__).resolve().parent / "assets" / "dpo_tiny.jsonl")  # tools/make_assets.py
 
@@ -113,7 +114,7 @@ class PreferenceData:
         """(micro-batch, weights) of this rank's held-out pairs, strided over ranks; every rank yields as many
         (a sharded forward never waits on a finished rank): filler pairs repeat pair 0 with weight 0."""
         for micro, indices in self.strided_batches("eval"):
-            yield micro, torch.tensor([0.0 if i is None else 1.0 for i in indices], device=self.device)
+            yield micro, to_device(torch.tensor([0.0 if i is None else 1.0 for i in indices]), self.device)
 
     def strided_batches(self, split: str):
         """(micro-batch, pair indices) of this rank's share of `split` ('train' or 'eval'): pairs rank, rank + N,
@@ -134,21 +135,23 @@ class PreferenceData:
     def _micro_batch_of(self, split: str, indices: list[int]) -> PairMicroBatch:
         micro = self.micro_batch([(self.train if split == "train" else self.evaluation)[i] for i in indices])
         if self.reference_logps[split] is not None:  # chosen rows first, then the rejected ones
-            micro.reference_logps = self.reference_logps[split][indices].T.flatten().to(self.device)
+            micro.reference_logps = to_device(self.reference_logps[split][indices].T.flatten(), self.device)
         return micro
 
     def micro_batch(self, pairs: list[dict]) -> PairMicroBatch:
-        """2 x len(pairs) rows (chosen sequences, then rejected), right-padded to the longest, with their mask."""
+        """2 x len(pairs) rows (chosen sequences, then rejected), right-padded to the longest: built on the host,
+        copied without blocking (`transfer.to_device`). No attention mask: under causal attention a token never
+        sees the padding after it, and the padding has no labels, so every answer token's log-prob is what a masked
+        forward gives (equal bit for bit on CPU sdpa), while the model takes its causal kernel without reading a
+        mask's values on the device (transformers' `_ignore_causal_mask_sdpa` would, twice per forward)."""
         sequences = [(p[f"{side}_ids"], p[f"{side}_labels"]) for side in ("chosen", "rejected") for p in pairs]
         length = max(len(ids) for ids, _ in sequences)
         input_ids = torch.full((len(sequences), length), self.pad_token_id, dtype=torch.long)
         labels = torch.full((len(sequences), length), IGNORE_INDEX, dtype=torch.long)
-        mask = torch.zeros((len(sequences), length), dtype=torch.long)
         for row, (ids, row_labels) in enumerate(sequences):
-            input_ids[row, :len(ids)], labels[row, :len(ids)], mask[row, :len(ids)] = (
-                torch.tensor(ids), torch.tensor(row_labels), 1)
-        inputs = {"input_ids": input_ids.to(self.device), "attention_mask": mask.to(self.device), "use_cache": False}
-        return PairMicroBatch(inputs, labels.to(self.device))
+            input_ids[row, :len(ids)], labels[row, :len(ids)] = torch.tensor(ids), torch.tensor(row_labels)
+        inputs = {"input_ids": to_device(input_ids, self.device), "use_cache": False}
+        return PairMicroBatch(inputs, to_device(labels, self.device))
 
     def describe(self) -> str:
         """The batch arithmetic and the pairs, in two lines for the start of a run."""

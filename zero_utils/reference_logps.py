@@ -129,8 +129,6 @@ class PrecomputedReference:
 def _log_probs(reference: ReferenceModel, pairs, split: str, accelerator) -> torch.Tensor:
     """(pairs of `split`, 2) float32 on CPU, on every rank: each pair's summed answer log-probs under `reference`,
     chosen then rejected. Each rank scores pairs rank, rank + N, ...; one all-gather puts them together."""
-    import torch.distributed as dist
-
     total = len(pairs.train if split == "train" else pairs.evaluation)
     world, per_rank = accelerator.num_processes, -(-total // accelerator.num_processes)
     mine, filled = torch.full((per_rank, 2), float("nan"), device=accelerator.device), 0
@@ -139,14 +137,10 @@ def _log_probs(reference: ReferenceModel, pairs, split: str, accelerator) -> tor
         scored = torch.stack(sums.chunk(2), dim=1)[[k for k, i in enumerate(indices) if i is not None]]
         mine[filled:filled + len(scored)] = scored
         filled += len(scored)
-    every_rank = [torch.empty_like(mine) for _ in range(world)]
-    if world > 1:
-        dist.all_gather(every_rank, mine)
-    else:
-        every_rank = [mine]
+    every_rank = accelerator.gather(mine).reshape(world, per_rank, 2).cpu()  # rank r's rows r, r + N, ...
     result = torch.empty(total, 2)
-    for rank, theirs in enumerate(every_rank):
-        result[rank::world] = theirs[:len(range(rank, total, world))].cpu()
+    for rank in range(world):
+        result[rank::world] = every_rank[rank, :len(range(rank, total, world))]
     return result
 
 

@@ -39,6 +39,11 @@ Switched on by the environment:
                                          how many of its parameter tensors (FSDP2: and their local shards;
                                          ZeRO-3: and their `ds_tensor` partitions), weakly referenced when it was
                                          built, are still alive at the end of step 1
+    ZERO_RECIPES_HARNESS_SYNC_PROBE=N    + "host_syncs_in_step_per_rank": the calls of optimizer step N (from its
+                                         `start_step` to the next one's) that would make the host wait for a GPU
+                                         (sync_probe.py), and its host-to-device copies, blocking or not
+    ZERO_RECIPES_HARNESS_CUDA_SYNC_PROBE=N  + "cuda_syncs_in_step_per_rank": on a GPU, what CUDA's own sync debug
+                                         mode reports during step N (sync_probe.cuda_start_step); None elsewhere
     ZERO_RECIPES_HARNESS_LIVE_TENSORS=1  + "live_tensor_bytes_per_rank": the bytes of every distinct tensor storage
                                          alive at the end of step 1 (before the update), found by a gc walk
 """
@@ -58,6 +63,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import accumulation_probe  # noqa: E402  (tests/scripts: switched on by ZERO_RECIPES_HARNESS_ACCUMULATION_PROBE)
 import loss_probe  # noqa: E402  (tests/scripts: switched on by ZERO_RECIPES_HARNESS_LOSS_PROBE)
+import sync_probe  # noqa: E402  (tests/scripts: switched on by ZERO_RECIPES_HARNESS_SYNC_PROBE)
 
 _seen: dict = {}  # what the recipe built, captured on its way through zero_utils and accelerate
 
@@ -200,6 +206,10 @@ def _attach_probes() -> None:
             _seen["meter"] = self
 
         def start_step(self):
+            if os.environ.get("ZERO_RECIPES_HARNESS_SYNC_PROBE"):  # the window opens before the step's first call
+                sync_probe.start_step(int(os.environ["ZERO_RECIPES_HARNESS_SYNC_PROBE"]), _seen["data"])
+            if os.environ.get("ZERO_RECIPES_HARNESS_CUDA_SYNC_PROBE"):
+                sync_probe.cuda_start_step(int(os.environ["ZERO_RECIPES_HARNESS_CUDA_SYNC_PROBE"]))
             super().start_step()
             if os.environ.get("ZERO_RECIPES_HARNESS_LOSS_PROBE") == "1":
                 loss_probe.start(self.model, self.accelerator)
@@ -313,6 +323,8 @@ def _evidence() -> dict:
     from zero_utils import evidence
     from zero_utils.model import last_position_logits
 
+    sync_probe.stop()  # a window still open (the run ended in the probed step) is closed, recorded incomplete
+    sync_probe.cuda_stop()
     meter = _seen["meter"]
     accelerator, model, optimizer = meter.accelerator, meter.model, meter.optimizer
     cfg = _seen["settings"]
@@ -330,6 +342,10 @@ def _evidence() -> dict:
         if os.environ.get("ZERO_RECIPES_HARNESS_LOSS_PROBE") == "1" else None,
         "accumulation_probe_per_rank": gather_object([accumulation_probe.result()])
         if os.environ.get("ZERO_RECIPES_HARNESS_ACCUMULATION_PROBE") == "1" else None,
+        "host_syncs_in_step_per_rank": gather_object([sync_probe.result()])
+        if os.environ.get("ZERO_RECIPES_HARNESS_SYNC_PROBE") else None,
+        "cuda_syncs_in_step_per_rank": gather_object([sync_probe.cuda_result()])
+        if os.environ.get("ZERO_RECIPES_HARNESS_CUDA_SYNC_PROBE") else None,
         "weights_digest_per_rank": gather_object([evidence.weights_digest(model)])
         if os.environ.get("ZERO_RECIPES_HARNESS_VERIFY_REPLICAS") == "1" else None,
     }
