@@ -152,7 +152,8 @@ def main(cfg: Settings) -> None:
                     micro_batch_size=2 * cfg.per_device_batch_size,  # a pair is two rows
                     activation_checkpointing=cfg.gradient_checkpointing, attn_implementation=cfg.attn_implementation,
                     loss_chunk_tokens=cfg.loss_chunk_tokens, device_memory=cfg.device_memory, enabled=cfg.fit_check,
-                    trust_remote_code=cfg.trust_remote_code, reference=reference_mode)
+                    trust_remote_code=cfg.trust_remote_code, reference=reference_mode,
+                    packed_rows=False)  # pairs are padded rows, not packed: no block mask
 
     # ------------------------------------------------------------------------------ data
     tokenizer = load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code, revision=cfg.revision)

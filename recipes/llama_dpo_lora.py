@@ -162,7 +162,8 @@ def main(cfg: Settings) -> None:
                     activation_checkpointing=cfg.gradient_checkpointing, attn_implementation=cfg.attn_implementation,
                     loss_chunk_tokens=cfg.loss_chunk_tokens, device_memory=cfg.device_memory, enabled=cfg.fit_check,
                     trust_remote_code=cfg.trust_remote_code, lora_config=lora_config,  # [LoRA] adapters train
-                    reference="adapters" if reference_mode == "model" else "none")  # [LoRA] no reference bytes
+                    reference="adapters" if reference_mode == "model" else "none",  # [LoRA] no reference bytes
+                    packed_rows=False)  # pairs are padded rows, not packed: no block mask
 
     # ------------------------------------------------------------------------------ data
     tokenizer = load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code, revision=cfg.revision)

@@ -87,7 +87,7 @@ LAYERS = [
     {"accelerator", "wrapping", "optim", "memory_formulas", "qlora", "packing", "data_sources", "preference_examples",
      "cli"},
     {"deepspeed_setup", "checkpoint_storage", "measurement", "evidence", "compare_report", "prepared_rows",
-     "token_loss"},
+     "token_loss", "peak_terms"},
     {"model", "checkpoint_export", "reference_model", "prepared_pairs", "prepared_mixture"},
     {"data"},
     {"parallelize", "memory_estimate", "checkpoint", "preference_data", "reference_logps"},
@@ -130,9 +130,10 @@ def test_zero_utils_modules_import_only_lower_layers(tmp_path):
 
 
 def test_memory_formulas_are_pure_arithmetic():
-    """The formulas module loads neither torch nor accelerate, DeepSpeed or transformers (directly or through what
-    it imports): the estimator and a reader of the formulas need no distributed stack."""
-    code = ("import sys, zero_utils.memory_formulas; "
+    """The formula modules (memory_formulas, peak_terms) load neither torch nor accelerate, DeepSpeed or
+    transformers (directly or through what they import): the estimator and a reader of the formulas need no
+    distributed stack."""
+    code = ("import sys, zero_utils.memory_formulas, zero_utils.peak_terms; "
             "print(sorted({m.split('.')[0] for m in sys.modules} & "
             "{'torch', 'accelerate', 'deepspeed', 'transformers'}))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout

@@ -4,9 +4,11 @@ for the same settings), prints it term by term next to the device's capacity, an
 (`fits`: SAFETY_MARGIN kept free). Within 15% of the usable memory it warns; beyond it, every rank stops with one
 sentence naming the engine or setting that fits and its launch line (`UserError`: exit 2).
 
-Capacity: `--device_memory` if given (to plan for a GPU you do not have); else a CUDA device's total memory, or on
-CPU the host memory available now (psutil, capped by a cgroup limit) shared by the node's local processes. Every
-rank reads its own, and the smallest is the one verdict all ranks act on (one small collective).
+Capacity: `--device_memory` if given (to plan for a GPU you do not have); else on CUDA what this process can have,
+`min(total, free + reserved by this process)` from `torch.cuda.mem_get_info` (another process's memory and NCCL's
+buffers are not free: it is read after a first collective, when NCCL has made them), or on CPU the host memory
+available now (psutil, capped by a cgroup limit) shared by the node's local processes. Every rank reads its own,
+and the smallest is the one verdict all ranks act on (one small collective).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from zero_utils.attention import VARLEN, packing_path
 from zero_utils.deepspeed_setup import zero3_init_disabled
 from zero_utils.distributed import local_world_size, per_rank
 from zero_utils.engine import Engine
@@ -53,6 +56,7 @@ class FitCheck:
             "optimizer_bytes": states.gpu["optimizer"], "reference_bytes": v.estimate.reference_bytes,
             "activation_bytes": v.estimate.activation_bytes,
             "transient_bytes": v.estimate.transient_bytes, "offloaded_bytes": v.estimate.cpu_bytes,
+            **{f"{name}_bytes": value for name, value in v.estimate.peak_terms.items()},
             "total_bytes": v.total_bytes, "capacity_bytes": v.capacity_bytes, "capacity_source": self.capacity_source,
             "usable_bytes": v.usable_bytes, "status": v.status,
             "inputs": {k: val for k, val in asdict(self.setup).items() if k != "arch"}}}
@@ -79,11 +83,15 @@ def host_memory_available_bytes() -> int:
 
 def device_capacity(device: torch.device, local_processes: int, device_memory: str = "") -> tuple[int, str]:
     """(bytes one rank may use, where that number came from): `device_memory` ('80GB', '80GiB', '80e9') if given,
-    else a CUDA device's total memory, else the available host memory / `local_processes`."""
+    else on CUDA `min(total, free + reserved by this process)` (`torch.cuda.mem_get_info`: call it after a first
+    collective), else the available host memory / `local_processes`."""
     if device_memory:
         return parse_bytes(device_memory, "--device_memory"), "--device_memory"
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory, f"{torch.cuda.get_device_name(device)}"
+    if device.type == "cuda":  # [CUDA] what is free now, and what this process's allocator already holds
+        free, total = torch.cuda.mem_get_info(device)
+        capacity = min(total, free + torch.cuda.memory_reserved(device))
+        return capacity, (f"{torch.cuda.get_device_name(device)}: {format_bytes(capacity)} free or held by this "
+                          f"process of {format_bytes(total)}")
     return (host_memory_available_bytes() // local_processes,
             f"host memory available / {local_processes} local process(es)")
 
@@ -104,6 +112,8 @@ def _recipe_path() -> str:
     return path if relative.startswith("..") else relative
 
 
+_SHAPE_TERMS = {"block_mask": "block mask", "loss_backward": "loss backward",  # zero_utils.peak_terms
+                "fp32_reduce_scatter": "fp32 reduce-scatter", "autocast_copies": "autocast copies"}
 _REFERENCE_TERMS = {"model": "reference", "adapters": "reference (adapters off)",
                     "precomputed": "reference (precomputed, freed)"}
 
@@ -113,10 +123,11 @@ def _term_line(check: FitCheck) -> str:
     states = v.estimate.model_states
     precision = "bf16 mixed precision" if s.dtype == "bf16" else "fp32"
     loss = f"{s.loss_chunk_tokens}-token loss chunks" if s.loss_chunk_tokens else "whole logits"
+    shapes = ((_SHAPE_TERMS[name], value) for name, value in v.estimate.peak_terms.items() if value)
     terms = " + ".join(f"{name} {format_bytes(value)}" for name, value in (
         ("params", states.gpu["params"]), ("grads", states.gpu["grads"]), ("optimizer", states.gpu["optimizer"]),
         *(((_REFERENCE_TERMS[s.reference], v.estimate.reference_bytes),) if s.reference != "none" else ()),
-        ("activations", v.estimate.activation_bytes), ("transient", v.estimate.transient_bytes)))
+        ("activations", v.estimate.activation_bytes), ("transient", v.estimate.transient_bytes), *shapes))
     on_host = v.total_bytes - v.estimate.total_bytes  # what an engine offloads, when host memory is the device
     if on_host:
         terms += f" + offloaded {format_bytes(on_host)}"
@@ -131,10 +142,17 @@ def _term_line(check: FitCheck) -> str:
             f"({check.capacity_source}), usable {format_bytes(v.usable_bytes)} -> {verdict}{offloaded}")
 
 
+def _attention_kind(attn_implementation: str) -> str:
+    """The estimator's attention: "eager", "flash" (varlen offsets, no mask) or "sdpa" (transformers' default)."""
+    if attn_implementation == "eager":
+        return "eager"
+    return "flash" if packing_path(attn_implementation) == VARLEN else "sdpa"
+
+
 def check_fit(accelerator, engine: Engine, model_config, *, seq_len: int, micro_batch_size: int,
               activation_checkpointing: bool, attn_implementation: str, loss_chunk_tokens: int,
               device_memory: str = "", enabled: bool = True, lora_config=None, trust_remote_code: bool = False,
-              refuse: bool = True, reference: str = "none") -> FitCheck:
+              refuse: bool = True, reference: str = "none", packed_rows: bool = True) -> FitCheck:
     """Estimate this run's peak memory per rank before the model is built, print it term by term next to the
     capacity, and stop every rank with one sentence (`UserError`) when it does not fit (unless `refuse` is False:
     then a warning). Every rank must call it (one collective agrees on the smallest capacity). `enabled=False`
@@ -142,7 +160,8 @@ def check_fit(accelerator, engine: Engine, model_config, *, seq_len: int, micro_
     preference loss compares the policy with: "model", a frozen copy held too (recipes/llama_dpo.py); "adapters", the
     LoRA policy's own forward with its adapters off (recipes/llama_dpo_lora.py: 0 bytes); "precomputed", a copy
     freed before the policy is built (recipes/llama_dpo.py --reference precomputed: 0 bytes during training);
-    "none". Engines: all.
+    "none". `packed_rows`: the SFT recipes pack rows (under sdpa a block mask, zero_utils.peak_terms); the DPO
+    recipes pad their pairs (False). Engines: all.
     Returns a `FitCheck` whose `summary()` goes into summary.json next to the measured peak."""
     if not enabled:
         return FitCheck(None, None)
@@ -156,8 +175,9 @@ def check_fit(accelerator, engine: Engine, model_config, *, seq_len: int, micro_
                   dtype="fp32" if accelerator.mixed_precision == "no" else "bf16", lora_fraction=fraction,
                   arch=arch, seq_len=seq_len, micro_batch_size=micro_batch_size,
                   activation_checkpointing=activation_checkpointing,
-                  attention="eager" if attn_implementation == "eager" else "sdpa",
+                  attention=_attention_kind(attn_implementation), packed_rows=packed_rows,
                   loss_chunk_tokens=loss_chunk_tokens, reference=reference)
+    accelerator.wait_for_everyone()  # [CUDA] NCCL makes its buffers at the first collective: read free memory after
     capacity, source = device_capacity(accelerator.device, local, device_memory)
     capacity = min(per_rank(accelerator, {"capacity": capacity})["capacity"])  # one verdict on every rank
     verdict = fit_verdict(setup, engine, capacity, device_is_host=accelerator.device.type == "cpu",

@@ -22,6 +22,7 @@ from zero_utils.memory_estimate import (
     report,
 )
 from zero_utils.memory_formulas import OPTIMIZERS, REFERENCES, architecture_from_sizes
+from zero_utils.peak_terms import TERMS
 
 _SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
 
@@ -90,14 +91,18 @@ def _parser() -> argparse.ArgumentParser:
     activations.add_argument("--micro_batch_size", type=int, default=d.micro_batch_size, metavar="N", help="rows per "
                              "GPU per micro-step (default: %(default)s)")
     activations.add_argument("--activation_checkpointing", action="store_true", help="keep only block inputs")
-    activations.add_argument("--attention", default=d.attention, choices=["sdpa", "eager"], help="sdpa and "
-                             "flash keep no seq_len^2 scores (default: %(default)s)")
+    activations.add_argument("--attention", default=d.attention, choices=["sdpa", "eager", "flash"], help="sdpa and "
+                             "flash keep no seq_len^2 scores; packed rows under sdpa add a block mask "
+                             "(default: %(default)s)")
+    activations.add_argument("--padded_rows", action="store_true", help="rows padded, not packed (the DPO recipes' "
+                             "pairs): no block mask")
     activations.add_argument("--loss_chunk_tokens", type=int, default=d.loss_chunk_tokens, metavar="N", help="the "
                              "recipes' flag: logits of N tokens at a time; 0 = the whole micro-batch's "
                              "(default: %(default)s)")
     for name, help_text in (("hidden_size", "needed with --num_layers and --vocab_size"), ("num_layers", ""),
                             ("vocab_size", ""), ("intermediate_size", "gated MLP; default 4 x hidden, GPT's MLP"),
-                            ("num_heads", "needed for --attention eager")):
+                            ("num_heads", "needed for --attention eager"),
+                            ("num_kv_heads", "grouped-query K/V heads (default: --num_heads)")):
         activations.add_argument(f"--{name}", type=int, metavar="N", help=help_text)
     output = p.add_argument_group("output")
     output.add_argument("--engines", default=",".join(e.name for e in ENGINES),
@@ -111,7 +116,7 @@ def _setup_from_args(args) -> Setup:
     if bool(args.params) == bool(args.model):
         raise UserError("pass exactly one of --params (e.g. 7B) or --model (Hub id, folder or config.json).")
     sizes = {name: getattr(args, name) for name in ("hidden_size", "num_layers", "vocab_size", "intermediate_size",
-                                                    "num_heads") if getattr(args, name) is not None}
+                                                    "num_heads", "num_kv_heads") if getattr(args, name) is not None}
     if args.model and sizes:
         raise UserError(f"--model reads the sizes from its config; drop {', '.join('--' + n for n in sizes)}.")
     if args.model:
@@ -129,7 +134,8 @@ def _setup_from_args(args) -> Setup:
                  offload_optimizer=args.offload_optimizer, offload_params=args.offload_params, arch=arch,
                  seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
                  activation_checkpointing=args.activation_checkpointing, attention=args.attention,
-                 loss_chunk_tokens=args.loss_chunk_tokens, formula=args.formula, reference=args.reference)
+                 packed_rows=not args.padded_rows, loss_chunk_tokens=args.loss_chunk_tokens, formula=args.formula,
+                 reference=args.reference)
 
 
 
@@ -146,16 +152,20 @@ def format_report(data: dict, unit: str = "GB") -> str:
              f"Activations: seq_len {inputs['seq_len']}, micro-batch {inputs['micro_batch_size']}, "
              f"{inputs['attention']} attention, activation checkpointing "
              f"{'on' if inputs['activation_checkpointing'] else 'off'}, loss over {loss}.", ""]
-    columns = ("params", "grads", "optimizer", "states", "reference", "activations", "transient", "total",
+    columns = ("params", "grads", "optimizer", "states", "reference", "activations", "transient", "shapes", "total",
                "cpu/rank")
     keys = ("params_bytes", "grads_bytes", "optimizer_bytes", "model_state_bytes", "reference_bytes",
-            "activation_bytes", "transient_bytes", "total_bytes", "cpu_bytes")
+            "activation_bytes", "transient_bytes", "shape_bytes", "total_bytes", "cpu_bytes")
+    for row in data["engines"]:  # "shapes": the peak terms of zero_utils.peak_terms, listed below the table
+        terms = [row[f"{name}_bytes"] for name in TERMS]
+        row["shape_bytes"] = None if None in terms else sum(terms)
     if inputs["reference"] == "none":  # the column only when there is a reference
         columns, keys = columns[:4] + columns[5:], keys[:4] + keys[5:]
     lines.append(f"{'engine':<14}" + "".join(f"{c:>12}" for c in columns) + "  fits")
     for row in data["engines"]:
         cells = "".join(f"{'n/a':>12}" if row[k] is None else f"{row[k] / scale:>12.2f}" for k in keys)
         lines.append(f"{row['engine']:<14}{cells}  {({True: 'yes', False: 'no'}).get(row['fits'], '-')}")
+    lines += _shape_terms(data["engines"], scale, unit)
     if data["gpu_memory_bytes"]:
         usable = data["gpu_memory_bytes"] * (1 - data["safety_margin"])
         lines += ["", f"fits = total <= {usable / scale:.2f} {unit}: {1 - data['safety_margin']:.0%} of "
@@ -165,6 +175,21 @@ def format_report(data: dict, unit: str = "GB") -> str:
             lines += [f"cheapest that fits: {data['cheapest_fit']}", f"  {data['command']}"]
         lines += data["advice"]
     return "\n".join(lines + [f"note: {n}" for n in data["notes"]])
+
+
+_TERM_WORDS = {"block_mask": "block mask of packed rows (sdpa)", "loss_backward": "loss backward",
+               "fp32_reduce_scatter": "fp32 reduce-scatter input", "autocast_copies": "autocast weight copies"}
+
+
+def _shape_terms(rows: list[dict], scale: float, unit: str) -> list[str]:
+    """One line naming each non-zero term of the "shapes" column, with the engines it applies to."""
+    parts = []
+    for name in TERMS:
+        values = {row["engine"]: row[f"{name}_bytes"] for row in rows if row[f"{name}_bytes"]}
+        if values:
+            which = "" if len(values) == len(rows) else f" ({', '.join(values)})"
+            parts.append(f"{_TERM_WORDS[name]} {max(values.values()) / scale:.2f}{which}")
+    return ["", f"shapes ({unit}, zero_utils.peak_terms): {'; '.join(parts)}."] if parts else []
 
 
 def main(argv: list[str] | None = None) -> int:

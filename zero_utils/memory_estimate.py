@@ -22,6 +22,7 @@ from zero_utils.memory_formulas import (
     reference_model_bytes,
     transient_bytes,
 )
+from zero_utils.peak_terms import TERMS, peak_terms
 
 # The engines of accelerate_configs/<engine.name>.yaml, in the order the estimator recommends them: least
 # communication first.
@@ -103,7 +104,8 @@ def architecture_from_config(config, model=None) -> Architecture:
         gated_mlp=any(name.endswith(("gate_proj", "gate_up_proj")) for name, _ in model.named_modules()),
         block_params=max(block_sizes), embed_params=embed_params,
         head_params=sum(params.values()) - sum(block_sizes) - embed_params,
-        persistent_params=sum(n for n in params.values() if n <= 10 * hidden))
+        persistent_params=sum(n for n in params.values() if n <= 10 * hidden),
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
 
 
 @dataclass(frozen=True)
@@ -123,7 +125,8 @@ class Setup:
     seq_len: int = 2048
     micro_batch_size: int = 1
     activation_checkpointing: bool = False
-    attention: str = "sdpa"
+    attention: str = "sdpa"  # "sdpa", "eager" or "flash" (flash-attention's varlen kernel: no mask)
+    packed_rows: bool = True  # the SFT recipes pack rows (a block mask under sdpa); the DPO recipes pad pairs
     loss_chunk_tokens: int = 1024  # the recipes' default
     formula: str = "engine"
     reference: str = "none"  # a preference loss's reference: "model" (a frozen copy: recipes/llama_dpo.py), "adapters"
@@ -141,12 +144,14 @@ class EngineEstimate:
     transient_bytes: int | None
     reference_bytes: int = 0  # a preference loss's reference model, on the GPU
     reference_cpu_bytes: int = 0  # ... and in CPU memory (offload configs)
+    peak_terms: dict[str, int] | None = None  # zero_utils.peak_terms: block mask, loss backward, ... (with an arch)
 
     @property
     def total_bytes(self) -> int | None:
         if self.activation_bytes is None or self.transient_bytes is None:
             return None
-        return self.model_states.gpu_bytes + self.reference_bytes + self.activation_bytes + self.transient_bytes
+        return (self.model_states.gpu_bytes + self.reference_bytes + self.activation_bytes + self.transient_bytes
+                + sum((self.peak_terms or {}).values()))
 
     @property
     def cpu_bytes(self) -> int:
@@ -188,16 +193,20 @@ def estimate(setup: Setup, engines: tuple[Engine, ...] = ENGINES) -> list[Engine
                                    frozen_params=setup.num_params - trainable, shard_group_size=group,
                                    offload_optimizer=offload_optimizer, offload_params=offload_params,
                                    formula=setup.formula)
-        activations = transient = None
+        activations = transient = terms = None
         if setup.arch is not None:
             activations = activation_bytes(setup.arch, seq_len=setup.seq_len, micro_batch_size=setup.micro_batch_size,
                                            activation_checkpointing=setup.activation_checkpointing,
                                            attention=setup.attention, dtype=setup.dtype,
                                            loss_chunk_tokens=setup.loss_chunk_tokens)
             transient = transient_bytes(engine, setup.arch, dtype=setup.dtype, trainable_fraction=setup.lora_fraction)
+            terms = peak_terms(engine, setup.arch, seq_len=setup.seq_len, micro_batch_size=setup.micro_batch_size,
+                               dtype=setup.dtype, activation_checkpointing=setup.activation_checkpointing,
+                               attention=setup.attention, packed_rows=setup.packed_rows,
+                               loss_chunk_tokens=setup.loss_chunk_tokens, trainable_fraction=setup.lora_fraction)
         reference = (0, 0) if setup.reference == "none" else reference_model_bytes(
             engine, setup.num_params, world, setup.dtype, shard_group_size=group, held_as=setup.reference)
-        results.append(EngineEstimate(engine, states, activations, transient, *reference))
+        results.append(EngineEstimate(engine, states, activations, transient, *reference, peak_terms=terms))
     return results
 
 
@@ -275,6 +284,7 @@ def report(setup: Setup, results: list[EngineEstimate], gpu_memory_bytes: int | 
             "model_state_bytes": r.model_states.gpu_bytes, "reference_bytes": r.reference_bytes,
             "cpu_bytes": r.cpu_bytes,
             "activation_bytes": r.activation_bytes, "transient_bytes": r.transient_bytes,
+            **{f"{name}_bytes": (r.peak_terms or {}).get(name) for name in TERMS},
             "total_bytes": r.total_bytes, "fits": fits(r, gpu_memory_bytes) if gpu_memory_bytes else None,
         } for r in results],
         "cheapest_fit": chosen.engine.name if chosen else None,

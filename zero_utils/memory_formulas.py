@@ -331,10 +331,12 @@ class Architecture:
     embed_params: int  # the input embedding's own FSDP2 unit (0 when tied to the head)
     head_params: int  # final norm + output head (+ a tied embedding): one FSDP2 unit kept gathered
     persistent_params: int  # params of <= 10 h elements, which ZeRO-3 keeps gathered ("auto" persistence threshold)
+    num_kv_heads: int | None = None  # grouped-query attention's K/V heads (None: as many as num_heads)
 
 
 def architecture_from_sizes(num_params: int, hidden_size: int, num_layers: int, vocab_size: int,
-                            intermediate_size: int | None = None, num_heads: int | None = None) -> Architecture:
+                            intermediate_size: int | None = None, num_heads: int | None = None,
+                            num_kv_heads: int | None = None) -> Architecture:
     """An `Architecture` from sizes alone, for `--params` without `--model`. Approximations, stated: untied input
     and output embeddings (V x h each), the rest split evenly over the blocks, two norms per block; without
     `intermediate_size` Korthikanti's GPT MLP (4 h, not gated), with it a Llama-style gated MLP."""
@@ -347,7 +349,7 @@ def architecture_from_sizes(num_params: int, hidden_size: int, num_layers: int, 
                         f"{num_layers} layers; check --params, --vocab_size and --hidden_size.")
     return Architecture(num_params, hidden_size, num_layers, vocab_size, intermediate_size or 4 * hidden_size,
                         num_heads, intermediate_size is not None, block_params, vocab_size * hidden_size,
-                        vocab_size * hidden_size + hidden_size, (2 * num_layers + 1) * hidden_size)
+                        vocab_size * hidden_size + hidden_size, (2 * num_layers + 1) * hidden_size, num_kv_heads)
 
 
 
