@@ -18,8 +18,6 @@ BENCH_DEEPSPEED_ZERO='{"key": value, ...}'  overrides DeepSpeed `zero_optimizati
                     zero_utils.accelerator has sized its buckets (one setting at a time, for ablations): e.g.
                     '{"reduce_bucket_size": 65536, "stage3_prefetch_bucket_size": 58982}' is accelerate's plain
                     "auto" at hidden 256.
-BENCH_COMPILE_BLOCKS=1  compiles every decoder block in place (`nn.Module.compile`, parameter names unchanged)
-                    before sharding, as torchtitan compiles per block (benchmarks/gpu.py's compiled variant).
 BENCH_NO_CHECKPOINTS=1  saves no checkpoint and exports no final/ folder (benchmarks/gpu.py: its 0.85B model's
                     checkpoint with Adam's state is ~10 GB, minutes of disk writes that measure nothing it reports);
                     summary.json's "checkpoint" then names a folder never written, "checkpoint_bytes" 0.
@@ -161,20 +159,6 @@ def no_checkpoints() -> None:
     Checkpointer.export = lambda self, out_dir: Path(out_dir)
 
 
-def compile_blocks() -> None:
-    """Compile each decoder block before the engine wraps it (FSDP2 sharding, or DeepSpeed's prepare)."""
-    shard_model = zero_utils.wrapping.shard_model
-
-    def compiled_then_sharded(model, accelerator, *args, **kwargs):
-        block_classes = tuple(zero_utils.wrapping.find_block_classes(model))
-        for module in model.modules():
-            if isinstance(module, block_classes):
-                module.compile()
-        return shard_model(model, accelerator, *args, **kwargs)
-
-    zero_utils.wrapping.shard_model = compiled_then_sharded
-
-
 if __name__ == "__main__":
     if os.environ.get("BENCH_COMMS_STEP"):
         count_comms_of_step(int(os.environ["BENCH_COMMS_STEP"]), os.environ["BENCH_COMMS_FILE"])
@@ -182,8 +166,6 @@ if __name__ == "__main__":
         zero_utils.accelerator._DEEPSPEED_AUTO_BUCKETS.clear()
     if os.environ.get("BENCH_DEEPSPEED_ZERO"):
         override_deepspeed_zero(json.loads(os.environ["BENCH_DEEPSPEED_ZERO"]))
-    if os.environ.get("BENCH_COMPILE_BLOCKS") == "1":
-        compile_blocks()
     if os.environ.get("BENCH_ACCELERATE_FSDP2_PREP") == "1":
         accelerate_fsdp2_prep()
     if os.environ.get("BENCH_NO_CHECKPOINTS") == "1":

@@ -147,7 +147,10 @@ def test_gpu_check_runs_on_cpu_from_its_own_wheels(tmp_path):
     report = json.loads((out / "gpu.json").read_text())
     steps = {r["step"]: r for r in report["results"]}
     assert list(steps) == ["install", "environment", "attention", "chunked_head", "tokenizer_workers",
-                           "recipe_fsdp2_accum1", "recipe_fsdp2_accum2", "recipe_zero3_accum1", "recipe_zero3_accum2"]
+                           "recipe_fsdp2_accum1", "recipe_fsdp2_accum2", "recipe_zero3_accum1", "recipe_zero3_accum2",
+                           "recipe_fsdp2_accum1_compiled"]
+    compiled = steps.pop("recipe_fsdp2_accum1_compiled")  # skipped under --smoke, saying why
+    assert compiled["status"] == "skipped" and "tests/test_compile.py" in compiled["reason"]
     assert {r["status"] for r in steps.values()} == {"ok"}, {k: r.get("log_tail") for k, r in steps.items()}
     assert report["wall_s"] < report["budget_s"] == 360
     assert len(steps["install"]["result"]["installed"]) == len(list(wheels.glob("*.whl"))) == 12

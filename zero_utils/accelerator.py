@@ -24,7 +24,7 @@ import os
 
 import torch
 
-from zero_utils import distributed
+from zero_utils import compiling, distributed
 from zero_utils.engine import Engine
 from zero_utils.errors import UserError
 
@@ -132,8 +132,11 @@ def build_accelerator(*, per_device_batch_size: int, gradient_accumulation_steps
             num_steps=gradient_accumulation_steps, sync_each_batch=True)}
     else:
         accumulation = {"gradient_accumulation_steps": gradient_accumulation_steps}
+    compiling.compile_settings()  # a whole-model compile is refused here, on every rank, before any work
+    # accelerate never compiles itself: zero_utils.parallelize compiles each block in place (under DDP accelerate's
+    # compile_regions would copy the model, renaming its parameters, and compile the chunked head)
     accelerator = Accelerator(**accumulation, log_with=log_with, project_dir=project_dir,
-                              kwargs_handlers=kwargs_handlers)
+                              kwargs_handlers=kwargs_handlers, dynamo_backend="no")
 
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         _configure_deepspeed(accelerator, per_device_batch_size, gradient_accumulation_steps, max_grad_norm)

@@ -231,7 +231,8 @@ class RunMeasurements:
         return {name: mean for name, mean in zip(names, means, strict=True) if name != "count"}
 
     def summary(self) -> dict:
-        """Medians of step time and tokens/s, the run's peaks (max over ranks and steps, the last update included),
+        """Medians of step time and tokens/s, the first step's extra seconds (compile time), the run's peaks (max
+        over ranks and steps, the last update included),
         model-state bytes measured (max over ranks and the measured moments) and expected (with the
         params/grads/optimizer breakdown), saved-activation bytes, what the peaks measured, in words, and each
         rank's own peaks and model-state bytes: `peak_mem_bytes_per_rank` (`peak_reserved_bytes_per_rank` on CUDA)
@@ -246,6 +247,10 @@ class RunMeasurements:
             "tokens_per_s": statistics.median(self.tokens_per_step / t for t in self._step_times)
             if self._step_times else None,
             "step_time_s": statistics.median(self._step_times) if self._step_times else None,
+            # this launch's first step beyond the median of the others: compile time under accelerate's dynamo
+            # settings (zero_utils.compiling), warm-up otherwise
+            "first_step_extra_s": self._step_times[0] - statistics.median(self._step_times[1:])
+            if len(self._step_times) > 1 else None,
             "peak_mem_bytes": peaks.get("peak_mem_bytes"),
             "peak_reserved_bytes": peaks.get("peak_reserved_bytes"),
             "peak_mem_measured": peak_memory_measured(self.device),

@@ -7,6 +7,8 @@
 
 Every engine-specific step of a recipe is here, so the recipe itself is the same under every engine:
 - activation checkpointing (every engine: each block recomputed in backward), set before any engine wraps the blocks;
+- compile, when the accelerate launch asks for it (`--dynamo_backend inductor --dynamo_use_regional_compilation`):
+  each decoder block in place (`zero_utils.compiling`), after checkpointing and before sharding, as torchtitan does;
 - [FSDP2] `fully_shard` block by block, then the root (`zero_utils.wrapping.shard_model`), before the optimizer sees
   the parameters; a warning when a --fsdp_* wrapping choice was given to another engine, which ignores it;
 - [DeepSpeed] communication bucket sizes from the model's hidden size (`zero_utils.deepspeed_setup`);
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from zero_utils import deepspeed_setup, wrapping
+from zero_utils import compiling, deepspeed_setup, wrapping
 from zero_utils.engine import Engine
 
 
@@ -35,11 +37,14 @@ class FSDPWrapping:
 def parallelize(model, accelerator, engine: Engine, *, activation_checkpointing: bool,
                 fsdp: FSDPWrapping = FSDPWrapping()) -> None:
     """Prepare `model` (in place) for the engine, before the optimizer is built and before `accelerator.prepare`:
-    activation checkpointing, then [FSDP2] block-by-block sharding with the `fsdp` choices, or [DeepSpeed] the
-    bucket sizes. Under an engine that is not FSDP2, `fsdp` choices other than the defaults are named in a warning
-    (they have no effect there). Every rank must call it."""
+    activation checkpointing, compiled blocks (when the launch compiles), then [FSDP2] block-by-block sharding with
+    the `fsdp` choices, or [DeepSpeed] the bucket sizes. Under an engine that is not FSDP2, `fsdp` choices other
+    than the defaults are named in a warning (they have no effect there). Every rank must call it."""
     if activation_checkpointing:  # before sharding, so every engine wraps the checkpointed blocks
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    settings = compiling.compile_settings()  # accelerate launch --dynamo_backend ... --dynamo_use_regional_compilation
+    if settings:  # each decoder block compiled in place, before any engine wraps it: parameter names unchanged
+        accelerator.print(compiling.compile_blocks(model, wrapping.find_block_classes(model), settings))
     if engine.is_fsdp2:  # [FSDP2] shard block by block, then the root
         wrapping.shard_model(model, accelerator, reshard_last_block=fsdp.reshard_last_block,
                              embedding_group=fsdp.embedding_group, prefetch_blocks=fsdp.prefetch_blocks)

@@ -132,7 +132,8 @@ def summary_table(summary: dict) -> str:
     s = summary
     rows = [("engine", s["engine"]), ("world size", s["world_size"]), ("steps", s["steps"]),
             ("final loss", fmt(s["final_loss"], ".4f")), ("eval loss", fmt(s["eval_loss"], ".4f")),
-            ("tokens/s (median, global)", fmt(s["tokens_per_s"], ",.0f")),
+            ("tokens/s (median, global)", fmt(s["tokens_per_s"], ",.0f")
+             + (f" (first step {s['first_step_extra_s']:+.1f} s)" if s.get("first_step_extra_s") else "")),
             ("peak memory per rank (max)", fmt((s["peak_mem_bytes"] or 0) / 1e6, ",.1f") + " MB"
              + spread("peak_mem_bytes", ",.1f")),
             ("model states per rank: measured / expected", fmt((s["model_state_bytes"] or 0) / 1e6, ".2f") + " / "

@@ -44,6 +44,8 @@ Switched on by the environment:
                                          (sync_probe.py), and its host-to-device copies, blocking or not
     ZERO_RECIPES_HARNESS_CUDA_SYNC_PROBE=N  + "cuda_syncs_in_step_per_rank": on a GPU, what CUDA's own sync debug
                                          mode reports during step N (sync_probe.cuda_start_step); None elsewhere
+    ZERO_RECIPES_HARNESS_COMPILE_PROBE=1  + "unique_graphs_per_step_per_rank": dynamo's count of distinct graphs
+                                         compiled so far, at the end of each step (a recompile per step grows it)
     ZERO_RECIPES_HARNESS_LIVE_TENSORS=1  + "live_tensor_bytes_per_rank": the bytes of every distinct tensor storage
                                          alive at the end of step 1 (before the update), found by a gc walk
 """
@@ -224,6 +226,10 @@ def _attach_probes() -> None:
                 accumulation_probe.after_micro_batch(self.model, self.optimizer)
 
         def end_step(self, *args, **kwargs):
+            if os.environ.get("ZERO_RECIPES_HARNESS_COMPILE_PROBE") == "1":
+                from torch._dynamo.utils import counters
+
+                _seen.setdefault("unique_graphs", []).append(counters["stats"]["unique_graphs"])
             if "causal_lms_built_by_step_1" not in _seen:  # the end of step 1
                 _seen["causal_lms_built_by_step_1"] = _seen["causal_lms_built"]
                 if "reference_weakrefs" in _seen:
@@ -346,6 +352,8 @@ def _evidence() -> dict:
         if os.environ.get("ZERO_RECIPES_HARNESS_SYNC_PROBE") else None,
         "cuda_syncs_in_step_per_rank": gather_object([sync_probe.cuda_result()])
         if os.environ.get("ZERO_RECIPES_HARNESS_CUDA_SYNC_PROBE") else None,
+        "unique_graphs_per_step_per_rank": gather_object([_seen.get("unique_graphs")])
+        if os.environ.get("ZERO_RECIPES_HARNESS_COMPILE_PROBE") == "1" else None,
         "weights_digest_per_rank": gather_object([evidence.weights_digest(model)])
         if os.environ.get("ZERO_RECIPES_HARNESS_VERIFY_REPLICAS") == "1" else None,
     }
