@@ -26,7 +26,8 @@ budget left is skipped, with that reason), each writing <output_dir>/<step>.json
                      --batch_size rows per micro-batch, accumulation 1 and 2, under fsdp2.yaml, then zero3.yaml
                      when DeepSpeed imports; then fsdp2 at accumulation 1 compiled as a user asks for it
                      (`--dynamo_backend inductor --dynamo_use_regional_compilation`: each block in place,
-                     zero_utils.compiling; skipped under --smoke). From the run's summary.json: tokens/s (median
+                     zero_utils.compiling; skipped under --smoke), and fsdp2 with --gradient_checkpointing
+                     --activation_offloading. From the run's summary.json: tokens/s (median
                      over steps), the first step's extra seconds (compile time), MFU, the peak memory allocated
                      next to the fit check's estimate, the model-state bytes measured next to
                      the formula's, and what CUDA's sync debug mode reported in step 3 (expected: the one host sync
@@ -67,8 +68,9 @@ BUILT_HERE = ["deepspeed"]  # sdists, built into wheels by --download_wheels (De
 BUDGET_S, MIN_STEP_S = 360, 20
 STEP_TIMEOUT_S = {"install": 120, "environment": 60, "attention": 90, "chunked_head": 90, "tokenizer_workers": 90,
                   "recipe": 120}
-RECIPES = [("fsdp2", 1, False), ("fsdp2", 2, False), ("zero3", 1, False), ("zero3", 2, False),
-           ("fsdp2", 1, True)]  # (engine, accumulation, compiled: accelerate's regional compilation, inductor)
+RECIPES = [("fsdp2", 1, ""), ("fsdp2", 2, ""), ("zero3", 1, ""), ("zero3", 2, ""), ("fsdp2", 1, "compiled"),
+           ("fsdp2", 1, "offloaded")]  # (engine, accumulation, variant: accelerate's regional compilation with
+# inductor; --gradient_checkpointing --activation_offloading)
 COMPILE = ("--dynamo_backend", "inductor", "--dynamo_use_regional_compilation")  # what a user passes
 
 
@@ -108,15 +110,16 @@ def run_step(name: str, cmd: list, output_dir: Path, env: dict, timeout_s: float
     return row
 
 
-def recipe_command(engine: str, accumulation: int, model: str, out: Path, args, compiled: bool = False) -> list:
+def recipe_command(engine: str, accumulation: int, model: str, out: Path, args, variant: str = "") -> list:
     return accelerate_launch_command(
         REPO / "benchmarks/recipe_probe.py",
         ["--model", model, "--output_dir", out, "--overwrite", "--max_steps", args.steps, "--seq_len", args.seq_len,
          "--per_device_batch_size", args.batch_size, "--gradient_accumulation_steps", accumulation,
          "--warmup_steps", "2", "--lr", "3e-4", "--eval_fraction", "0", "--max_new_tokens", "0",
-         "--report_to", "none"],
+         "--report_to", "none",
+         *(("--gradient_checkpointing", "--activation_offloading") if variant == "offloaded" else ())],
         config_file=config_file(engine), num_processes=1, mixed_precision="bf16",
-        launch_args=COMPILE if compiled else ())
+        launch_args=COMPILE if variant == "compiled" else ())
 
 
 def make_model(folder: Path, smoke: bool, seq_len: int) -> str:
@@ -148,6 +151,7 @@ def recipe_figures(summary: dict, config, seq_len: int, peaks: dict) -> dict:
                                            "final_loss", "global_batch_rows")}
     figures["flops_per_token"] = flops_per_token
     figures["first_step_extra_s"] = summary.get("first_step_extra_s")  # compile time in the compiled variant
+    figures["saved_activation_bytes"] = summary.get("saved_activation_bytes")  # what stays on the GPU
     figures["cuda_syncs_in_step_3"] = (summary.get("cuda_syncs_in_step_per_rank") or [None])[0]  # rank 0's
     for name, peak in peaks.items():
         figures[f"mfu_{name}_peak"] = flops_per_token * summary["tokens_per_s"] / peak if peak else None
@@ -252,14 +256,14 @@ def main() -> None:
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(model)
-        for engine, accumulation, compiled in RECIPES:
-            name = f"recipe_{engine}_accum{accumulation}{'_compiled' if compiled else ''}"
+        for engine, accumulation, variant in RECIPES:
+            name = f"recipe_{engine}_accum{accumulation}{'_' + variant if variant else ''}"
             summary = output_dir / name / "summary.json"
             no_deepspeed = engine.startswith("zero") and environment.get("deepspeed_imports") is not True
             skip_reason = (f"DeepSpeed does not import: {environment.get('deepspeed_imports')}" if no_deepspeed
                            else "--smoke: compiling on a CPU takes minutes (tests/test_compile.py runs this path)"
-                           if compiled and args.smoke else "")
-            step(name, "recipe", recipe_command(engine, accumulation, model, output_dir / name, args, compiled),
+                           if variant == "compiled" and args.smoke else "")
+            step(name, "recipe", recipe_command(engine, accumulation, model, output_dir / name, args, variant),
                  skip_reason=skip_reason, result=lambda summary=summary: recipe_figures(
                      json.loads(summary.read_text()), config, args.seq_len, peaks))
     finally:

@@ -29,6 +29,7 @@ Features, the flag that controls each, and its cost:
                 relaunch or a resume (zero_utils/reference_logps.py); no forward of it per micro-batch
     flow        SFT with llama_zero3.py, then --model runs/llama_zero3/final (README: Preference tuning)
     batch       --per_device_batch_size pairs (2x rows) x --gradient_accumulation_steps x processes = global batch
+    offloading  --activation_offloading (with --gradient_checkpointing) as in llama_zero3.py
     fit check   as in llama_zero3.py at 2 rows per pair, with the reference's bytes (python -m zero_utils.memory
                 --reference model|precomputed gives the same estimate)
     optimizer, loss chunks (--loss_chunk_tokens), eval (eval_ prefixed metrics), checkpoint, waits
@@ -119,6 +120,7 @@ class Settings:
     attn_implementation: str = flag("", "sdpa (default), eager, flash_attention_2, ...")
     trust_remote_code: bool = flag(False, "run the model repository's own Python code (only for repos you trust)")
     gradient_checkpointing: bool = flag(False, "recompute each block's activations in backward (less memory)")
+    activation_offloading: bool = flag(False, "with --gradient_checkpointing: the blocks' inputs wait in host memory")
     fsdp_reshard_last_block: bool = flag(FSDPWrapping.reshard_last_block, "FSDP2: reshard the last block after "
                                          "forward too (less memory, one more all-gather)")
     fsdp_embedding_group: bool = flag(FSDPWrapping.embedding_group, "FSDP2: the input embedding is its own unit "
@@ -150,7 +152,8 @@ def main(cfg: Settings) -> None:
     model_config = load_config(cfg.model, cfg.trust_remote_code, cfg.revision)
     fit = check_fit(accelerator, engine, model_config, seq_len=cfg.seq_len,  # + the reference
                     micro_batch_size=2 * cfg.per_device_batch_size,  # a pair is two rows
-                    activation_checkpointing=cfg.gradient_checkpointing, attn_implementation=cfg.attn_implementation,
+                    activation_checkpointing=cfg.gradient_checkpointing,
+                    activation_offloading=cfg.activation_offloading, attn_implementation=cfg.attn_implementation,
                     loss_chunk_tokens=cfg.loss_chunk_tokens, device_memory=cfg.device_memory, enabled=cfg.fit_check,
                     trust_remote_code=cfg.trust_remote_code, reference=reference_mode,
                     packed_rows=False)  # pairs are padded rows, not packed: no block mask
@@ -182,8 +185,10 @@ def main(cfg: Settings) -> None:
     model = load_causal_lm(cfg.model, accelerator=accelerator, attn_implementation=cfg.attn_implementation or None,
                            trust_remote_code=cfg.trust_remote_code, revision=cfg.revision)
     num_params = count_parameters(model, trainable_only=True)
-    parallelize(model, accelerator, engine, activation_checkpointing=cfg.gradient_checkpointing,
-                fsdp=FSDPWrapping(cfg.fsdp_reshard_last_block, cfg.fsdp_embedding_group, cfg.fsdp_prefetch_blocks))
+    offload = parallelize(model, accelerator, engine, activation_checkpointing=cfg.gradient_checkpointing,
+                          activation_offloading=cfg.activation_offloading,  # None unless --activation_offloading
+                          fsdp=FSDPWrapping(cfg.fsdp_reshard_last_block, cfg.fsdp_embedding_group,
+                                            cfg.fsdp_prefetch_blocks))
     optimizer = build_adamw(model, cfg.lr, cfg.weight_decay, (cfg.adam_beta1, cfg.adam_beta2), cfg.adam_eps)
     param_groups = describe_param_groups(optimizer)
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -243,7 +248,7 @@ def main(cfg: Settings) -> None:
         scale = world * cfg.gradient_accumulation_steps / batches.pairs
         loss_sum, sums = torch.zeros((), device=accelerator.device), {}
         for micro in batches.micro_batches:
-            with accelerator.accumulate(model), meter.micro_batch():
+            with accelerator.accumulate(model), meter.micro_batch(offload):
                 scores, chosen_nll = scores_of(micro)
                 micro_loss_sum = objective_sum(scores, chosen_nll, sft_weight=cfg.sft_weight,
                                                global_pairs=batches.pairs, global_chosen_tokens=batches.chosen_tokens)

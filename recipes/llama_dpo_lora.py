@@ -19,6 +19,7 @@ Features, the flag that controls each, and its cost:
                 one more forward per micro-batch [FSDP2, ZeRO-3: its all-gathers too], no memory held between steps
     export      final/ = the PEFT adapter (PeftModel.from_pretrained reloads it on the base --model); --merge also
                 writes final/merged/, the base with the adapters merged in (a plain model), as in llama_lora.py
+    offloading  --activation_offloading (with --gradient_checkpointing) as in llama_dpo.py
     fit check   as in llama_dpo.py, counting only the adapters as trained and no reference bytes (python -m
                 zero_utils.memory --reference adapters --lora_fraction F gives the same estimate)
     data, loss (--loss, --beta, --simpo_gamma, --sft_weight), batch, optimizer, loss chunks (--loss_chunk_tokens),
@@ -126,6 +127,7 @@ class Settings:
     attn_implementation: str = flag("", "sdpa (default), eager, flash_attention_2, ...")
     trust_remote_code: bool = flag(False, "run the model repository's own Python code (only for repos you trust)")
     gradient_checkpointing: bool = flag(False, "recompute each block's activations in backward (less memory)")
+    activation_offloading: bool = flag(False, "with --gradient_checkpointing: the blocks' inputs wait in host memory")
     fsdp_reshard_last_block: bool = flag(FSDPWrapping.reshard_last_block, "FSDP2: reshard the last block after "
                                          "forward too (less memory, one more all-gather)")
     fsdp_embedding_group: bool = flag(FSDPWrapping.embedding_group, "FSDP2: the input embedding is its own unit "
@@ -159,7 +161,8 @@ def main(cfg: Settings) -> None:
                              target_modules=_target_modules(cfg.lora_target_modules), task_type="CAUSAL_LM")  # [LoRA]
     fit = check_fit(accelerator, engine, model_config, seq_len=cfg.seq_len,  # + the reference
                     micro_batch_size=2 * cfg.per_device_batch_size,  # a pair is two rows
-                    activation_checkpointing=cfg.gradient_checkpointing, attn_implementation=cfg.attn_implementation,
+                    activation_checkpointing=cfg.gradient_checkpointing,
+                    activation_offloading=cfg.activation_offloading, attn_implementation=cfg.attn_implementation,
                     loss_chunk_tokens=cfg.loss_chunk_tokens, device_memory=cfg.device_memory, enabled=cfg.fit_check,
                     trust_remote_code=cfg.trust_remote_code, lora_config=lora_config,  # [LoRA] adapters train
                     reference="adapters" if reference_mode == "model" else "none",  # [LoRA] no reference bytes
@@ -181,8 +184,10 @@ def main(cfg: Settings) -> None:
     model = get_peft_model(model, lora_config)  # [LoRA] freezes the base, adds the adapters (before any sharding)
     num_params = count_parameters(model, trainable_only=True)
     frozen_params = count_parameters(model) - num_params  # [LoRA]
-    parallelize(model, accelerator, engine, activation_checkpointing=cfg.gradient_checkpointing,
-                fsdp=FSDPWrapping(cfg.fsdp_reshard_last_block, cfg.fsdp_embedding_group, cfg.fsdp_prefetch_blocks))
+    offload = parallelize(model, accelerator, engine, activation_checkpointing=cfg.gradient_checkpointing,
+                          activation_offloading=cfg.activation_offloading,  # None unless --activation_offloading
+                          fsdp=FSDPWrapping(cfg.fsdp_reshard_last_block, cfg.fsdp_embedding_group,
+                                            cfg.fsdp_prefetch_blocks))
     optimizer = build_adamw(model, cfg.lr, cfg.weight_decay, (cfg.adam_beta1, cfg.adam_beta2), cfg.adam_eps)
     param_groups = describe_param_groups(optimizer)
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -242,7 +247,7 @@ def main(cfg: Settings) -> None:
         scale = world * cfg.gradient_accumulation_steps / batches.pairs
         loss_sum, sums = torch.zeros((), device=accelerator.device), {}
         for micro in batches.micro_batches:
-            with accelerator.accumulate(model), meter.micro_batch():
+            with accelerator.accumulate(model), meter.micro_batch(offload):
                 scores, chosen_nll = scores_of(micro)
                 micro_loss_sum = objective_sum(scores, chosen_nll, sft_weight=cfg.sft_weight,
                                                global_pairs=batches.pairs, global_chosen_tokens=batches.chosen_tokens)

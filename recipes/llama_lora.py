@@ -15,6 +15,7 @@ Features, the flag that controls each, and its cost:
     export      final/ = the PEFT adapter (adapter_config.json + adapter_model.safetensors): only the trainable
                 tensors are gathered, one at a time; --merge also writes final/merged/, the base with the
                 adapters merged in (on the main process, from the base model on disk)
+    offloading  --activation_offloading (with --gradient_checkpointing) as in llama_zero3.py
     fit check   as in llama_zero3.py, counting only the adapters as trained; with --qlora it warns, never stops
                 (its 4-bit base is estimated as 16-bit)
     data, batch, optimizer, loss (--loss_chunk_tokens), eval, checkpoint, waits (--wait_limit_s), FSDP2
@@ -106,6 +107,7 @@ class Settings:
     attn_implementation: str = flag("", "sdpa (default), eager, flash_attention_2, ...")
     trust_remote_code: bool = flag(False, "run the model repository's own Python code (only for repos you trust)")
     gradient_checkpointing: bool = flag(False, "recompute each block's activations in backward (less memory)")
+    activation_offloading: bool = flag(False, "with --gradient_checkpointing: the blocks' inputs wait in host memory")
     fsdp_reshard_last_block: bool = flag(FSDPWrapping.reshard_last_block, "FSDP2: reshard the last block after "
                                          "forward too (less memory, one more all-gather)")
     fsdp_embedding_group: bool = flag(FSDPWrapping.embedding_group, "FSDP2: the input embedding is its own unit "
@@ -145,7 +147,8 @@ def main(cfg: Settings) -> None:
     # This run's peak memory per rank, estimated term by term, against the device's: every rank stops here, before
     # the data is prepared and the model built, naming the engine or setting that fits when it does not.
     fit = check_fit(accelerator, engine, model_config, seq_len=cfg.seq_len, micro_batch_size=cfg.per_device_batch_size,
-                    activation_checkpointing=cfg.gradient_checkpointing, attn_implementation=attn_implementation,
+                    activation_checkpointing=cfg.gradient_checkpointing,
+                    activation_offloading=cfg.activation_offloading, attn_implementation=attn_implementation,
                     loss_chunk_tokens=cfg.loss_chunk_tokens, device_memory=cfg.device_memory, enabled=cfg.fit_check,
                     trust_remote_code=cfg.trust_remote_code,  # [LoRA] below: adapters train; QLoRA's 4-bit base
                     lora_config=lora_config, refuse=not cfg.qlora)  # [LoRA] is counted as 16-bit: warn, never stop
@@ -166,8 +169,10 @@ def main(cfg: Settings) -> None:
     model = get_peft_model(model, lora_config)  # [LoRA] freezes the base, adds the adapters
     num_params = count_parameters(model, trainable_only=True)
     frozen_params = count_parameters(model) - num_params  # [LoRA]
-    parallelize(model, accelerator, engine, activation_checkpointing=cfg.gradient_checkpointing,
-                fsdp=FSDPWrapping(cfg.fsdp_reshard_last_block, cfg.fsdp_embedding_group, cfg.fsdp_prefetch_blocks))
+    offload = parallelize(model, accelerator, engine, activation_checkpointing=cfg.gradient_checkpointing,
+                          activation_offloading=cfg.activation_offloading,  # None unless --activation_offloading
+                          fsdp=FSDPWrapping(cfg.fsdp_reshard_last_block, cfg.fsdp_embedding_group,
+                                            cfg.fsdp_prefetch_blocks))
 
     # ------------------------------------------------------------------------------ optimizer, prepare, resume
     optimizer = build_adamw(model, cfg.lr, cfg.weight_decay, (cfg.adam_beta1, cfg.adam_beta2), cfg.adam_eps)
@@ -218,7 +223,7 @@ def main(cfg: Settings) -> None:
         scale = world * cfg.gradient_accumulation_steps / batches.loss_tokens
         loss_sum = torch.zeros((), device=accelerator.device)
         for micro in batches.micro_batches:
-            with accelerator.accumulate(model), meter.micro_batch():  # saved activations; model states (steps 1-2)
+            with accelerator.accumulate(model), meter.micro_batch(offload):  # saved activations; states (steps 1-2)
                 micro_loss_sum = token_loss_sum(micro)
                 accelerator.backward(micro_loss_sum * scale)
                 loss_sum += micro_loss_sum.detach()

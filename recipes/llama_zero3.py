@@ -30,6 +30,9 @@ Features, the flag that controls each, and its cost:
                 --lr_schedule (cosine down to --min_lr_ratio x --lr), --max_grad_norm
     loss        output head + cross-entropy over --loss_chunk_tokens tokens at a time (0 = whole logits): a
                 micro-batch's fp32 logits never exist whole; each chunk's recomputed in backward (+1/3 head FLOPs)
+    offloading  --activation_offloading (with --gradient_checkpointing): each block's input waits in host memory
+                between its forward and its recompute (pinned, copied on a side stream on a GPU; L x s x b x h
+                elements per rank on the host, two on the device at once)
     fit check   before the data and the model: this run's peak memory per rank, estimated term by term, against the
                 device's (--device_memory, default the GPU's total); stops every rank naming what fits when it does
                 not, warns within 15%; --no-fit_check skips it (a meta-device build of the model: seconds)
@@ -121,6 +124,7 @@ class Settings:
     attn_implementation: str = flag("", "sdpa (default), eager, flash_attention_2, ...")
     trust_remote_code: bool = flag(False, "run the model repository's own Python code (only for repos you trust)")
     gradient_checkpointing: bool = flag(False, "recompute each block's activations in backward (less memory)")
+    activation_offloading: bool = flag(False, "with --gradient_checkpointing: the blocks' inputs wait in host memory")
     fsdp_reshard_last_block: bool = flag(FSDPWrapping.reshard_last_block, "FSDP2: reshard the last block after "
                                          "forward too (less memory, one more all-gather)")
     fsdp_embedding_group: bool = flag(FSDPWrapping.embedding_group, "FSDP2: the input embedding is its own unit "
@@ -158,7 +162,8 @@ def main(cfg: Settings) -> None:
     # This run's peak memory per rank, estimated term by term, against the device's: every rank stops here, before
     # the data is prepared and the model built, naming the engine or setting that fits when it does not.
     fit = check_fit(accelerator, engine, model_config, seq_len=cfg.seq_len, micro_batch_size=cfg.per_device_batch_size,
-                    activation_checkpointing=cfg.gradient_checkpointing, attn_implementation=attn_implementation,
+                    activation_checkpointing=cfg.gradient_checkpointing,
+                    activation_offloading=cfg.activation_offloading, attn_implementation=attn_implementation,
                     loss_chunk_tokens=cfg.loss_chunk_tokens, device_memory=cfg.device_memory, enabled=cfg.fit_check,
                     trust_remote_code=cfg.trust_remote_code)
 
@@ -176,8 +181,10 @@ def main(cfg: Settings) -> None:
     model = load_causal_lm(cfg.model, accelerator=accelerator, attn_implementation=attn_implementation or None,
                            trust_remote_code=cfg.trust_remote_code, revision=cfg.revision)
     num_params = count_parameters(model, trainable_only=True)
-    parallelize(model, accelerator, engine, activation_checkpointing=cfg.gradient_checkpointing,
-                fsdp=FSDPWrapping(cfg.fsdp_reshard_last_block, cfg.fsdp_embedding_group, cfg.fsdp_prefetch_blocks))
+    offload = parallelize(model, accelerator, engine, activation_checkpointing=cfg.gradient_checkpointing,
+                          activation_offloading=cfg.activation_offloading,  # None unless --activation_offloading
+                          fsdp=FSDPWrapping(cfg.fsdp_reshard_last_block, cfg.fsdp_embedding_group,
+                                            cfg.fsdp_prefetch_blocks))
 
     # ------------------------------------------------------------------------------ optimizer, prepare, resume
     optimizer = build_adamw(model, cfg.lr, cfg.weight_decay, (cfg.adam_beta1, cfg.adam_beta2), cfg.adam_eps)
@@ -227,7 +234,7 @@ def main(cfg: Settings) -> None:
         scale = world * cfg.gradient_accumulation_steps / batches.loss_tokens
         loss_sum = torch.zeros((), device=accelerator.device)
         for micro in batches.micro_batches:
-            with accelerator.accumulate(model), meter.micro_batch():  # saved activations; model states (steps 1-2)
+            with accelerator.accumulate(model), meter.micro_batch(offload):  # saved activations; states (steps 1-2)
                 micro_loss_sum = token_loss_sum(micro)
                 accelerator.backward(micro_loss_sum * scale)
                 loss_sum += micro_loss_sum.detach()

@@ -148,7 +148,7 @@ def test_gpu_check_runs_on_cpu_from_its_own_wheels(tmp_path):
     steps = {r["step"]: r for r in report["results"]}
     assert list(steps) == ["install", "environment", "attention", "chunked_head", "tokenizer_workers",
                            "recipe_fsdp2_accum1", "recipe_fsdp2_accum2", "recipe_zero3_accum1", "recipe_zero3_accum2",
-                           "recipe_fsdp2_accum1_compiled"]
+                           "recipe_fsdp2_accum1_compiled", "recipe_fsdp2_accum1_offloaded"]
     compiled = steps.pop("recipe_fsdp2_accum1_compiled")  # skipped under --smoke, saying why
     assert compiled["status"] == "skipped" and "tests/test_compile.py" in compiled["reason"]
     assert {r["status"] for r in steps.values()} == {"ok"}, {k: r.get("log_tail") for k, r in steps.items()}
@@ -177,6 +177,9 @@ def test_gpu_check_runs_on_cpu_from_its_own_wheels(tmp_path):
             assert r["peak_mem_bytes_estimated"] > 0  # the fit check's, next to the allocated peak on a GPU
             assert r["model_states_over_expected"] == pytest.approx(1, abs=0.02)
             assert r["flops_per_token"] == 6 * (r["num_params"] - 872 * 64) + 12 * 2 * 64 * 64
+    offloaded = steps["recipe_fsdp2_accum1_offloaded"]["result"]
+    assert offloaded["engine"] == "fsdp2" and offloaded["tokens_per_s"] > 0
+    assert offloaded["saved_activation_bytes"] < steps["recipe_fsdp2_accum1"]["result"]["saved_activation_bytes"]
     assert not [p for p in out.rglob("*") if p.name in ("checkpoints", "final")]
     recipe_files = [p for p in out.glob("recipe_*/**/*") if p.is_file()]  # metrics, summary, the harness's probe
     assert recipe_files and max(p.stat().st_size for p in recipe_files) < 2**16  # a checkpoint here: ~3 MB

@@ -7,6 +7,7 @@ import json
 import re
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -194,6 +195,28 @@ def test_activations_follow_korthikanti_et_al():
     checkpointed = formulas.activation_bytes(arch, **{**kwargs, "activation_checkpointing": True})
     assert checkpointed == layers * 2 * s * b * h + s * b * h * 34 + logits
     assert formulas.activation_bytes(arch, dtype="fp32", **kwargs) == 2 * layers * s * b * h * 34 + s * b * vocab * 8
+
+
+def test_activation_offloading_moves_the_checkpointed_inputs_to_host_memory(capsys):
+    """8B (h 4096, 32 layers), 131,072 tokens per rank, bf16, checkpointed: each block's input is 131072 x 4096 x 2
+    bytes = 1.07 GB, 34.4 GB for the 32 of them. Offloaded, the GPU keeps 2 in flight: its activation term drops by
+    30 inputs (32.2 GB) and each rank's host memory holds all 32; without checkpointing there is nothing to offload."""
+    s, h, layers = 131_072, 4096, 32
+    arch = formulas.architecture_from_sizes(8 * 10**9, h, layers, 128_256, intermediate_size=14_336)
+    one_input = s * h * 2
+    setup = estimator.Setup(num_params=8 * 10**9, arch=arch, seq_len=s, activation_checkpointing=True)
+    kept, offloaded = (estimator.estimate(replace(setup, activation_offloading=flag),
+                                          (Engine.parse("fsdp2"),))[0] for flag in (False, True))
+    assert kept.activation_bytes - offloaded.activation_bytes == (layers - 2) * one_input == 32_212_254_720
+    assert offloaded.cpu_bytes - kept.cpu_bytes == layers * one_input == 34_359_738_368
+    assert offloaded.total_bytes == kept.total_bytes - (layers - 2) * one_input
+    with pytest.raises(UserError, match="--activation_offloading moves the checkpointed blocks' inputs to host "
+                                        "memory: add --activation_checkpointing"):
+        estimator.estimate(replace(setup, activation_checkpointing=False, activation_offloading=True))
+    assert memory.main(["--params", "8B", "--hidden_size", str(h), "--num_layers", str(layers), "--vocab_size",
+                        "128256", "--seq_len", str(s), "--activation_checkpointing", "--activation_offloading"]) == 0
+    out = capsys.readouterr().out
+    assert "(inputs offloaded to host memory)" in out and "activation offloading (the recipes'" in out
 
 
 def test_fsdp2_without_reshard_keeps_the_whole_model_gathered():

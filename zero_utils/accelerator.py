@@ -140,6 +140,8 @@ def build_accelerator(*, per_device_batch_size: int, gradient_accumulation_steps
 
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         _configure_deepspeed(accelerator, per_device_batch_size, gradient_accumulation_steps, max_grad_norm)
+    if accelerator.distributed_type == DistributedType.FSDP:
+        check_fsdp_settings(accelerator.state.fsdp_plugin)
     if accelerator.distributed_type == DistributedType.FSDP and on_cpu:
         _adapt_fsdp_offload_for_cpu(accelerator)
     check_launch(accelerator)
@@ -297,6 +299,16 @@ def _adapt_fsdp_offload_for_cpu(accelerator) -> None:
         plugin.cpu_offload = CPUOffloadPolicy(pin_memory=False)
         if accelerator.is_main_process:
             print("[zero_utils] no GPU: FSDP2 CPU offload runs with pin_memory=False (pinned memory needs a GPU).")
+
+
+def check_fsdp_settings(plugin) -> None:
+    """Refuse, with one sentence, an accelerate YAML FSDP setting the recipes would otherwise skip:
+    `fsdp_activation_checkpointing_offload` (accelerate's `offload_wrapper`, applied only with accelerate's own
+    checkpointing, which `zero_utils.wrapping` replaces by the recipes'). Engines: FSDP2."""
+    if getattr(plugin, "activation_checkpointing_offload", False):
+        raise UserError("fsdp_activation_checkpointing_offload in the accelerate YAML is accelerate's own offloading, "
+                        "which these recipes' checkpointing replaces (it would be skipped): remove it and pass "
+                        "--gradient_checkpointing --activation_offloading to the recipe.")
 
 
 def check_launch(accelerator) -> None:

@@ -136,7 +136,8 @@ def _term_line(check: FitCheck) -> str:
                  if v.estimate.cpu_bytes and not on_host else "")
     return (f"fit check [{v.estimate.engine}{' HSDP' if s.hsdp else ''}, {s.num_gpus * s.num_nodes} rank(s), "
             f"{precision}, micro-batch {s.micro_batch_size} x seq_len {s.seq_len}, "
-            f"{'activation checkpointing, ' if s.activation_checkpointing else ''}{loss}"
+            f"{'activation checkpointing, ' if s.activation_checkpointing else ''}"
+            f"{'activation offloading, ' if s.activation_offloading else ''}{loss}"
             f"{f', LoRA {s.lora_fraction:.4%} trained' if s.lora_fraction < 1 else ''}]: {terms} = "
             f"{format_bytes(v.total_bytes)} per rank; capacity {format_bytes(v.capacity_bytes)} "
             f"({check.capacity_source}), usable {format_bytes(v.usable_bytes)} -> {verdict}{offloaded}")
@@ -152,7 +153,8 @@ def _attention_kind(attn_implementation: str) -> str:
 def check_fit(accelerator, engine: Engine, model_config, *, seq_len: int, micro_batch_size: int,
               activation_checkpointing: bool, attn_implementation: str, loss_chunk_tokens: int,
               device_memory: str = "", enabled: bool = True, lora_config=None, trust_remote_code: bool = False,
-              refuse: bool = True, reference: str = "none", packed_rows: bool = True) -> FitCheck:
+              refuse: bool = True, reference: str = "none", packed_rows: bool = True,
+              activation_offloading: bool = False) -> FitCheck:
     """Estimate this run's peak memory per rank before the model is built, print it term by term next to the
     capacity, and stop every rank with one sentence (`UserError`) when it does not fit (unless `refuse` is False:
     then a warning). Every rank must call it (one collective agrees on the smallest capacity). `enabled=False`
@@ -161,8 +163,12 @@ def check_fit(accelerator, engine: Engine, model_config, *, seq_len: int, micro_
     LoRA policy's own forward with its adapters off (recipes/llama_dpo_lora.py: 0 bytes); "precomputed", a copy
     freed before the policy is built (recipes/llama_dpo.py --reference precomputed: 0 bytes during training);
     "none". `packed_rows`: the SFT recipes pack rows (under sdpa a block mask, zero_utils.peak_terms); the DPO
-    recipes pad their pairs (False). Engines: all.
+    recipes pad their pairs (False). `activation_offloading` (--activation_offloading, which needs
+    `activation_checkpointing`): the blocks' inputs counted in host memory. Engines: all.
     Returns a `FitCheck` whose `summary()` goes into summary.json next to the measured peak."""
+    if activation_offloading and not activation_checkpointing:  # checked with the fit check off too
+        raise UserError("--activation_offloading moves the checkpointed blocks' inputs to host memory: add "
+                        "--gradient_checkpointing.")
     if not enabled:
         return FitCheck(None, None)
     with zero3_init_disabled(accelerator):  # the meta build must not be partitioned by DeepSpeed
@@ -174,7 +180,7 @@ def check_fit(accelerator, engine: Engine, model_config, *, seq_len: int, micro_
     setup = Setup(num_params=arch.num_params, num_gpus=local, num_nodes=max(1, world // local), hsdp=engine.hsdp,
                   dtype="fp32" if accelerator.mixed_precision == "no" else "bf16", lora_fraction=fraction,
                   arch=arch, seq_len=seq_len, micro_batch_size=micro_batch_size,
-                  activation_checkpointing=activation_checkpointing,
+                  activation_checkpointing=activation_checkpointing, activation_offloading=activation_offloading,
                   attention=_attention_kind(attn_implementation), packed_rows=packed_rows,
                   loss_chunk_tokens=loss_chunk_tokens, reference=reference)
     accelerator.wait_for_everyone()  # [CUDA] NCCL makes its buffers at the first collective: read free memory after

@@ -133,11 +133,12 @@ class RunMeasurements:
         reset_peak_memory(self.device)
 
     @contextlib.contextmanager
-    def micro_batch(self):
+    def micro_batch(self, offload=None):
         """Context manager around one micro-batch's forward and backward: counts the bytes autograd saves for
         backward (the first forward), and in the first `MEASURED_STEPS` updating steps measures the model states this
-        rank holds after the backward, unless the update already ran in it (DeepSpeed's last micro-batch)."""
-        with count_saved_activations(self._saved_activations):
+        rank holds after the backward, unless the update already ran in it (DeepSpeed's last micro-batch), under
+        `offload`'s hooks when given (`activation_offload.ActivationOffload`: what it moves is not counted)."""
+        with count_saved_activations(self._saved_activations, offload):
             yield
         if self._steps_updated < MEASURED_STEPS and not self._updated_this_step:
             self._measure_model_states()
@@ -247,8 +248,7 @@ class RunMeasurements:
             "tokens_per_s": statistics.median(self.tokens_per_step / t for t in self._step_times)
             if self._step_times else None,
             "step_time_s": statistics.median(self._step_times) if self._step_times else None,
-            # this launch's first step beyond the median of the others: compile time under accelerate's dynamo
-            # settings (zero_utils.compiling), warm-up otherwise
+            # the first step beyond the median of the others: compile time (zero_utils.compiling), else warm-up
             "first_step_extra_s": self._step_times[0] - statistics.median(self._step_times[1:])
             if len(self._step_times) > 1 else None,
             "peak_mem_bytes": peaks.get("peak_mem_bytes"),
@@ -397,30 +397,35 @@ def peak_memory_measured(device: torch.device) -> str:
 
 
 @contextlib.contextmanager
-def count_saved_activations(result: dict):
+def count_saved_activations(result: dict, offload=None):
     """Count the bytes autograd saves for backward inside the block (a forward pass) into `result["saved"]`, the
-    first time only; parameters saved by reference are not activations and are not counted.
+    first time only; parameters saved by reference are not activations and are not counted; under `offload`'s hooks
+    (an `ActivationOffload`) only what stays on the device counts.
 
     This is the activation memory of a forward pass, measured exactly and on any device: with activation
     checkpointing only the block inputs are saved, the rest is recomputed in backward. Engines: all.
     """
     if "saved" in result:
-        yield
+        with offload.hooks() if offload is not None else contextlib.nullcontext():
+            yield
         return
     seen: set[int] = set()
     total = 0
 
     def pack(tensor):
         nonlocal total
-        if tensor.is_leaf and tensor.requires_grad:  # a parameter, held anyway
-            return tensor
+        packed = offload.pack(tensor) if offload is not None else tensor
+        if packed is not tensor or (tensor.is_leaf and tensor.requires_grad):  # moved to the host, or a parameter
+            return packed
         key, nbytes = _storage_key_and_bytes(tensor)
         if key not in seen:
             seen.add(key)
             total += nbytes
         return tensor
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    unpack = offload.unpack if offload is not None else (lambda tensor: tensor)
+    with offload.forward() if offload is not None else contextlib.nullcontext(), \
+            torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         yield
     result["saved"] = total
 

@@ -91,6 +91,8 @@ def _parser() -> argparse.ArgumentParser:
     activations.add_argument("--micro_batch_size", type=int, default=d.micro_batch_size, metavar="N", help="rows per "
                              "GPU per micro-step (default: %(default)s)")
     activations.add_argument("--activation_checkpointing", action="store_true", help="keep only block inputs")
+    activations.add_argument("--activation_offloading", action="store_true", help="with --activation_checkpointing: "
+                             "the block inputs in host memory (cpu/rank), two at a time on the GPU")
     activations.add_argument("--attention", default=d.attention, choices=["sdpa", "eager", "flash"], help="sdpa and "
                              "flash keep no seq_len^2 scores; packed rows under sdpa add a block mask "
                              "(default: %(default)s)")
@@ -133,7 +135,8 @@ def _setup_from_args(args) -> Setup:
                  dtype=args.dtype, optimizer=args.optimizer, lora_fraction=args.lora_fraction,
                  offload_optimizer=args.offload_optimizer, offload_params=args.offload_params, arch=arch,
                  seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
-                 activation_checkpointing=args.activation_checkpointing, attention=args.attention,
+                 activation_checkpointing=args.activation_checkpointing,
+                 activation_offloading=args.activation_offloading, attention=args.attention,
                  packed_rows=not args.padded_rows, loss_chunk_tokens=args.loss_chunk_tokens, formula=args.formula,
                  reference=args.reference)
 
@@ -151,7 +154,9 @@ def format_report(data: dict, unit: str = "GB") -> str:
              f"{precision}, {inputs['optimizer']}.",
              f"Activations: seq_len {inputs['seq_len']}, micro-batch {inputs['micro_batch_size']}, "
              f"{inputs['attention']} attention, activation checkpointing "
-             f"{'on' if inputs['activation_checkpointing'] else 'off'}, loss over {loss}.", ""]
+             f"{'on' if inputs['activation_checkpointing'] else 'off'}"
+             f"{' (inputs offloaded to host memory)' if inputs['activation_offloading'] else ''}, "
+             f"loss over {loss}.", ""]
     columns = ("params", "grads", "optimizer", "states", "reference", "activations", "transient", "shapes", "total",
                "cpu/rank")
     keys = ("params_bytes", "grads_bytes", "optimizer_bytes", "model_state_bytes", "reference_bytes",

@@ -14,11 +14,13 @@ import torch
 from zero_utils.engine import Engine
 from zero_utils.errors import UserError
 from zero_utils.memory_formulas import (
+    OFFLOAD_INPUTS_ON_DEVICE,
     REFERENCES,
     Architecture,
     ModelStateBytes,
     activation_bytes,
     model_state_bytes,
+    offloaded_activation_bytes,
     reference_model_bytes,
     transient_bytes,
 )
@@ -125,6 +127,7 @@ class Setup:
     seq_len: int = 2048
     micro_batch_size: int = 1
     activation_checkpointing: bool = False
+    activation_offloading: bool = False  # the checkpointed blocks' inputs in host memory (needs checkpointing)
     attention: str = "sdpa"  # "sdpa", "eager" or "flash" (flash-attention's varlen kernel: no mask)
     packed_rows: bool = True  # the SFT recipes pack rows (a block mask under sdpa); the DPO recipes pad pairs
     loss_chunk_tokens: int = 1024  # the recipes' default
@@ -144,6 +147,7 @@ class EngineEstimate:
     transient_bytes: int | None
     reference_bytes: int = 0  # a preference loss's reference model, on the GPU
     reference_cpu_bytes: int = 0  # ... and in CPU memory (offload configs)
+    activation_cpu_bytes: int = 0  # activation offloading: the checkpointed blocks' inputs in host memory
     peak_terms: dict[str, int] | None = None  # zero_utils.peak_terms: block mask, loss backward, ... (with an arch)
 
     @property
@@ -155,8 +159,8 @@ class EngineEstimate:
 
     @property
     def cpu_bytes(self) -> int:
-        """Host memory per rank: offloaded model states and reference."""
-        return self.model_states.cpu_bytes + self.reference_cpu_bytes
+        """Host memory per rank: offloaded model states, reference and activations."""
+        return self.model_states.cpu_bytes + self.reference_cpu_bytes + self.activation_cpu_bytes
 
 
 def _offload_for(engine: Engine, setup: Setup) -> tuple[bool | None, bool | None]:
@@ -181,6 +185,9 @@ def estimate(setup: Setup, engines: tuple[Engine, ...] = ENGINES) -> list[Engine
     if setup.reference == "adapters" and setup.lora_fraction == 1:
         raise UserError("--reference adapters is the LoRA policy's own forward with its adapters off: give "
                         "--lora_fraction, the adapters' share of the parameters (e.g. 0.01).")
+    if setup.activation_offloading and not setup.activation_checkpointing:
+        raise UserError("--activation_offloading moves the checkpointed blocks' inputs to host memory: add "
+                        "--activation_checkpointing.")
     if setup.dtype not in ("fp32", "bf16"):
         raise UserError(f"--dtype {setup.dtype!r} is unknown; use fp32 or bf16.")
     trainable = round(setup.num_params * setup.lora_fraction)
@@ -198,7 +205,8 @@ def estimate(setup: Setup, engines: tuple[Engine, ...] = ENGINES) -> list[Engine
             activations = activation_bytes(setup.arch, seq_len=setup.seq_len, micro_batch_size=setup.micro_batch_size,
                                            activation_checkpointing=setup.activation_checkpointing,
                                            attention=setup.attention, dtype=setup.dtype,
-                                           loss_chunk_tokens=setup.loss_chunk_tokens)
+                                           loss_chunk_tokens=setup.loss_chunk_tokens,
+                                           activation_offloading=setup.activation_offloading)
             transient = transient_bytes(engine, setup.arch, dtype=setup.dtype, trainable_fraction=setup.lora_fraction)
             terms = peak_terms(engine, setup.arch, seq_len=setup.seq_len, micro_batch_size=setup.micro_batch_size,
                                dtype=setup.dtype, activation_checkpointing=setup.activation_checkpointing,
@@ -206,7 +214,10 @@ def estimate(setup: Setup, engines: tuple[Engine, ...] = ENGINES) -> list[Engine
                                loss_chunk_tokens=setup.loss_chunk_tokens, trainable_fraction=setup.lora_fraction)
         reference = (0, 0) if setup.reference == "none" else reference_model_bytes(
             engine, setup.num_params, world, setup.dtype, shard_group_size=group, held_as=setup.reference)
-        results.append(EngineEstimate(engine, states, activations, transient, *reference, peak_terms=terms))
+        on_host = offloaded_activation_bytes(setup.arch, seq_len=setup.seq_len, micro_batch_size=setup.micro_batch_size,
+                                             dtype=setup.dtype) if setup.activation_offloading and setup.arch else 0
+        results.append(EngineEstimate(engine, states, activations, transient, *reference, peak_terms=terms,
+                                      activation_cpu_bytes=on_host))
     return results
 
 
@@ -248,6 +259,10 @@ def _notes(setup: Setup) -> list[str]:
         notes.append("ZeRO-1/2 cannot offload params; FSDP2's offload moves its grads and optimizer state too.")
     if setup.hsdp:
         notes.append(f"HSDP: FSDP2 shards over the {setup.num_gpus} GPUs of a node; DeepSpeed rows shard over all.")
+    if setup.activation_offloading:
+        notes.append("activation offloading (the recipes' --activation_offloading): the checkpointed blocks' inputs "
+                     f"wait in host memory (cpu/rank counts them), at most {OFFLOAD_INPUTS_ON_DEVICE} on the GPU at "
+                     "once.")
     if setup.reference == "precomputed":
         notes.append("reference: precomputed (recipes/llama_dpo.py --reference precomputed): the frozen copy scores "
                      "every pair before the policy is built and is freed; training holds 0 bytes of it (the pass "

@@ -353,12 +353,18 @@ def architecture_from_sizes(num_params: int, hidden_size: int, num_layers: int, 
 
 
 
+OFFLOAD_INPUTS_ON_DEVICE = 2  # with activation offloading: the block input being copied out while the next computes
+
+
 def activation_bytes(arch: Architecture, *, seq_len: int, micro_batch_size: int, activation_checkpointing: bool,
-                     attention: str = "sdpa", dtype: str = "bf16", loss_chunk_tokens: int = 0) -> int:
+                     attention: str = "sdpa", dtype: str = "bf16", loss_chunk_tokens: int = 0,
+                     activation_offloading: bool = False) -> int:
     """Activation bytes per GPU for one micro-batch of a decoder (formula and source: module docstring).
     `attention`: 'sdpa' (also flash) or 'eager'; `dtype`: 'bf16' or 'fp32'; `loss_chunk_tokens`: the recipes'
-    --loss_chunk_tokens (the logits of at most that many tokens exist at once; 0 = the whole micro-batch's). The
-    same for every engine."""
+    --loss_chunk_tokens (the logits of at most that many tokens exist at once; 0 = the whole micro-batch's);
+    `activation_offloading` (with checkpointing): the blocks' inputs live in host memory, at most
+    OFFLOAD_INPUTS_ON_DEVICE of them on the device at once (`offloaded_activation_bytes` is what moves). The same for
+    every engine."""
     s, b, h = seq_len, micro_batch_size, arch.hidden_size
     mlp = 3 * h + (8 if arch.gated_mlp else 4) * arch.intermediate_size
     layer = s * b * (15 * h + mlp)
@@ -366,10 +372,17 @@ def activation_bytes(arch: Architecture, *, seq_len: int, micro_batch_size: int,
         if arch.num_heads is None:
             raise UserError("--attention eager needs the number of heads; pass --model or --num_heads.")
         layer += 5 * arch.num_heads * s * s * b
-    layers = arch.num_layers * 2 * s * b * h + layer if activation_checkpointing else arch.num_layers * layer
+    inputs_kept = min(arch.num_layers, OFFLOAD_INPUTS_ON_DEVICE) if activation_offloading else arch.num_layers
+    layers = inputs_kept * 2 * s * b * h + layer if activation_checkpointing else arch.num_layers * layer
     element_bytes = 4 if dtype == "fp32" else 2
     loss_tokens = min(loss_chunk_tokens, s * b) if loss_chunk_tokens else s * b
     return layers * element_bytes // 2 + loss_tokens * arch.vocab_size * (element_bytes + 4)
+
+
+def offloaded_activation_bytes(arch: Architecture, *, seq_len: int, micro_batch_size: int, dtype: str = "bf16") -> int:
+    """Host bytes per rank that activation offloading holds: every checkpointed block's input (s x b x h elements in
+    the compute dtype, L of them), in pinned memory on a GPU machine."""
+    return arch.num_layers * seq_len * micro_batch_size * arch.hidden_size * (4 if dtype == "fp32" else 2)
 
 
 def transient_bytes(engine: Engine, arch: Architecture, *, dtype: str = "bf16", trainable_fraction: float = 1.0) -> int:

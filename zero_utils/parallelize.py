@@ -6,7 +6,8 @@
     after_prepare(model, accelerator, engine, model_name)                                            # what must follow
 
 Every engine-specific step of a recipe is here, so the recipe itself is the same under every engine:
-- activation checkpointing (every engine: each block recomputed in backward), set before any engine wraps the blocks;
+- activation checkpointing (every engine: each block recomputed in backward), set before any engine wraps the blocks,
+  and with it, on request, activation offloading (`zero_utils.activation_offload`: the blocks' inputs in host memory);
 - compile, when the accelerate launch asks for it (`--dynamo_backend inductor --dynamo_use_regional_compilation`):
   each decoder block in place (`zero_utils.compiling`), after checkpointing and before sharding, as torchtitan does;
 - [FSDP2] `fully_shard` block by block, then the root (`zero_utils.wrapping.shard_model`), before the optimizer sees
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from zero_utils import compiling, deepspeed_setup, wrapping
+from zero_utils import activation_offload, compiling, deepspeed_setup, wrapping
 from zero_utils.engine import Engine
 
 
@@ -35,11 +36,14 @@ class FSDPWrapping:
 
 
 def parallelize(model, accelerator, engine: Engine, *, activation_checkpointing: bool,
-                fsdp: FSDPWrapping = FSDPWrapping()) -> None:
+                activation_offloading: bool = False, fsdp: FSDPWrapping = FSDPWrapping()):
     """Prepare `model` (in place) for the engine, before the optimizer is built and before `accelerator.prepare`:
     activation checkpointing, compiled blocks (when the launch compiles), then [FSDP2] block-by-block sharding with
     the `fsdp` choices, or [DeepSpeed] the bucket sizes. Under an engine that is not FSDP2, `fsdp` choices other
-    than the defaults are named in a warning (they have no effect there). Every rank must call it."""
+    than the defaults are named in a warning (they have no effect there). Every rank must call it.
+    Returns, with `activation_offloading` (which needs `activation_checkpointing`), the
+    `activation_offload.ActivationOffload` a micro-batch's forward runs under (`RunMeasurements.micro_batch`);
+    else None."""
     if activation_checkpointing:  # before sharding, so every engine wraps the checkpointed blocks
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     settings = compiling.compile_settings()  # accelerate launch --dynamo_backend ... --dynamo_use_regional_compilation
@@ -53,6 +57,11 @@ def parallelize(model, accelerator, engine: Engine, *, activation_checkpointing:
         accelerator.print(f"warning: {', '.join(changed)} only change FSDP2's wrapping: no effect under {engine}.")
     if engine.is_deepspeed:  # [DeepSpeed] communication buckets sized from the model's hidden size
         deepspeed_setup.size_deepspeed_buckets(accelerator, model)
+    if not activation_offloading:
+        return None
+    offload = activation_offload.ActivationOffload(accelerator.device)  # the checkpointed inputs in host memory
+    accelerator.print(offload.describe())
+    return offload
 
 
 def after_prepare(model, accelerator, engine: Engine, model_name: str | None, revision: str | None = None) -> None:

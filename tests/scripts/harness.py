@@ -44,6 +44,9 @@ Switched on by the environment:
                                          (sync_probe.py), and its host-to-device copies, blocking or not
     ZERO_RECIPES_HARNESS_CUDA_SYNC_PROBE=N  + "cuda_syncs_in_step_per_rank": on a GPU, what CUDA's own sync debug
                                          mode reports during step N (sync_probe.cuda_start_step); None elsewhere
+    ZERO_RECIPES_HARNESS_OFFLOAD_PROBE=1  + "offload_moves_per_rank": {step: {"out"/"back": {shape: tensors}}}, what
+                                         --activation_offloading moved to the host and back (every saved tensor
+                                         moves: the minimum size is set to 0 for the tests' tiny blocks)
     ZERO_RECIPES_HARNESS_COMPILE_PROBE=1  + "unique_graphs_per_step_per_rank": dynamo's count of distinct graphs
                                          compiled so far, at the end of each step (a recompile per step grows it)
     ZERO_RECIPES_HARNESS_LIVE_TENSORS=1  + "live_tensor_bytes_per_rank": the bytes of every distinct tensor storage
@@ -208,6 +211,7 @@ def _attach_probes() -> None:
             _seen["meter"] = self
 
         def start_step(self):
+            _seen["offload_step"] = _seen.get("offload_step", 0) + 1
             if os.environ.get("ZERO_RECIPES_HARNESS_SYNC_PROBE"):  # the window opens before the step's first call
                 sync_probe.start_step(int(os.environ["ZERO_RECIPES_HARNESS_SYNC_PROBE"]), _seen["data"])
             if os.environ.get("ZERO_RECIPES_HARNESS_CUDA_SYNC_PROBE"):
@@ -219,8 +223,8 @@ def _attach_probes() -> None:
                 accumulation_probe.start_step()
 
         @contextlib.contextmanager
-        def micro_batch(self):
-            with super().micro_batch():
+        def micro_batch(self, offload=None):
+            with super().micro_batch(offload):
                 yield
             if os.environ.get("ZERO_RECIPES_HARNESS_ACCUMULATION_PROBE") == "1":
                 accumulation_probe.after_micro_batch(self.model, self.optimizer)
@@ -242,6 +246,26 @@ def _attach_probes() -> None:
                 loss_probe.stop()
             return super().end_step(*args, **kwargs)
 
+    if os.environ.get("ZERO_RECIPES_HARNESS_OFFLOAD_PROBE") == "1":
+        from zero_utils import activation_offload
+
+        activation_offload.MIN_OFFLOAD_BYTES = 0  # the tests' tiny blocks: every saved tensor moves
+
+        class RecordedOffload(activation_offload.ActivationOffload):  # per step: shapes moved out and back
+            def pack(self, tensor):
+                packed = super().pack(tensor)
+                if packed is not tensor:
+                    _offload_moves("out", tuple(tensor.shape))
+                return packed
+
+            def unpack(self, packed):
+                before = self.restored
+                tensor = super().unpack(packed)
+                if self.restored > before:
+                    _offload_moves("back", tuple(tensor.shape))
+                return tensor
+
+        activation_offload.ActivationOffload = RecordedOffload
     if os.environ.get("ZERO_RECIPES_HARNESS_REFERENCE_PROBE") == "1":
         from zero_utils import reference_model
 
@@ -277,6 +301,14 @@ def _attach_probes() -> None:
                 return super().finish(*args, **kwargs)
 
         checkpoint_storage.PendingSave = DyingSave
+
+
+def _offload_moves(direction: str, shape: tuple) -> None:
+    """Count one tensor moved to the host ("out") or back ("back") in the current step, by shape."""
+    step = _seen.get("offload_step", 0)
+    moves = _seen.setdefault("offload_moves", {}).setdefault(step, {"out": {}, "back": {}})[direction]
+    key = "x".join(map(str, shape))
+    moves[key] = moves.get(key, 0) + 1
 
 
 def live_tensor_bytes() -> int:
@@ -352,6 +384,8 @@ def _evidence() -> dict:
         if os.environ.get("ZERO_RECIPES_HARNESS_SYNC_PROBE") else None,
         "cuda_syncs_in_step_per_rank": gather_object([sync_probe.cuda_result()])
         if os.environ.get("ZERO_RECIPES_HARNESS_CUDA_SYNC_PROBE") else None,
+        "offload_moves_per_rank": gather_object([_seen.get("offload_moves")])
+        if os.environ.get("ZERO_RECIPES_HARNESS_OFFLOAD_PROBE") == "1" else None,
         "unique_graphs_per_step_per_rank": gather_object([_seen.get("unique_graphs")])
         if os.environ.get("ZERO_RECIPES_HARNESS_COMPILE_PROBE") == "1" else None,
         "weights_digest_per_rank": gather_object([evidence.weights_digest(model)])
