@@ -142,8 +142,8 @@ def build_accelerator(*, per_device_batch_size: int, gradient_accumulation_steps
         _configure_deepspeed(accelerator, per_device_batch_size, gradient_accumulation_steps, max_grad_norm)
     if accelerator.distributed_type == DistributedType.FSDP:
         check_fsdp_settings(accelerator.state.fsdp_plugin)
-    if accelerator.distributed_type == DistributedType.FSDP and on_cpu:
-        _adapt_fsdp_offload_for_cpu(accelerator)
+        if on_cpu:
+            _adapt_fsdp_offload_for_cpu(accelerator)
     check_launch(accelerator)
     engine = Engine.of(accelerator)
     threads = use_cores_for_host_steps(engine)

@@ -34,6 +34,7 @@ from zero_utils.memory_estimate import (
     meta_model,
     parse_bytes,
 )
+from zero_utils.peak_terms import TERM_NAMES
 
 
 @dataclass(frozen=True)
@@ -112,8 +113,6 @@ def _recipe_path() -> str:
     return path if relative.startswith("..") else relative
 
 
-_SHAPE_TERMS = {"block_mask": "block mask", "loss_backward": "loss backward",  # zero_utils.peak_terms
-                "fp32_reduce_scatter": "fp32 reduce-scatter", "autocast_copies": "autocast copies"}
 _REFERENCE_TERMS = {"model": "reference", "adapters": "reference (adapters off)",
                     "precomputed": "reference (precomputed, freed)"}
 
@@ -123,7 +122,7 @@ def _term_line(check: FitCheck) -> str:
     states = v.estimate.model_states
     precision = "bf16 mixed precision" if s.dtype == "bf16" else "fp32"
     loss = f"{s.loss_chunk_tokens}-token loss chunks" if s.loss_chunk_tokens else "whole logits"
-    shapes = ((_SHAPE_TERMS[name], value) for name, value in v.estimate.peak_terms.items() if value)
+    shapes = ((TERM_NAMES[name], value) for name, value in v.estimate.peak_terms.items() if value)
     terms = " + ".join(f"{name} {format_bytes(value)}" for name, value in (
         ("params", states.gpu["params"]), ("grads", states.gpu["grads"]), ("optimizer", states.gpu["optimizer"]),
         *(((_REFERENCE_TERMS[s.reference], v.estimate.reference_bytes),) if s.reference != "none" else ()),

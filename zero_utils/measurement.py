@@ -233,12 +233,11 @@ class RunMeasurements:
 
     def summary(self) -> dict:
         """Medians of step time and tokens/s, the first step's extra seconds (compile time), the run's peaks (max
-        over ranks and steps, the last update included),
-        model-state bytes measured (max over ranks and the measured moments) and expected (with the
-        params/grads/optimizer breakdown), saved-activation bytes, what the peaks measured, in words, and each
-        rank's own peaks and model-state bytes: `peak_mem_bytes_per_rank` (`peak_reserved_bytes_per_rank` on CUDA)
-        and `model_state_bytes_per_rank`, lists indexed by rank, so that an uneven rank shows (`rank_spread`). A
-        collective: every rank must call it, once, after the loop."""
+        over ranks and steps, the last update included), model-state bytes measured (max over ranks and the
+        measured moments) and expected (with the params/grads/optimizer breakdown), saved-activation bytes, what the
+        peaks measured, in words, and each rank's own peaks and model-state bytes: `peak_mem_bytes_per_rank`
+        (`peak_reserved_bytes_per_rank` on CUDA) and `model_state_bytes_per_rank`, lists indexed by rank, so that an
+        uneven rank shows (`rank_spread`). A collective: every rank must call it, once, after the loop."""
         local = {f"{k}_per_rank": v for k, v in self._local_run_peaks.items()}
         if self._local_model_states:
             local["model_state_bytes_per_rank"] = self._local_model_states["total"]

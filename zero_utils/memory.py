@@ -22,7 +22,7 @@ from zero_utils.memory_estimate import (
     report,
 )
 from zero_utils.memory_formulas import OPTIMIZERS, REFERENCES, architecture_from_sizes
-from zero_utils.peak_terms import TERMS
+from zero_utils.peak_terms import TERM_NAMES, TERMS
 
 _SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
 
@@ -182,10 +182,6 @@ def format_report(data: dict, unit: str = "GB") -> str:
     return "\n".join(lines + [f"note: {n}" for n in data["notes"]])
 
 
-_TERM_WORDS = {"block_mask": "block mask of packed rows (sdpa)", "loss_backward": "loss backward",
-               "fp32_reduce_scatter": "fp32 reduce-scatter input", "autocast_copies": "autocast weight copies"}
-
-
 def _shape_terms(rows: list[dict], scale: float, unit: str) -> list[str]:
     """One line naming each non-zero term of the "shapes" column, with the engines it applies to."""
     parts = []
@@ -193,7 +189,7 @@ def _shape_terms(rows: list[dict], scale: float, unit: str) -> list[str]:
         values = {row["engine"]: row[f"{name}_bytes"] for row in rows if row[f"{name}_bytes"]}
         if values:
             which = "" if len(values) == len(rows) else f" ({', '.join(values)})"
-            parts.append(f"{_TERM_WORDS[name]} {max(values.values()) / scale:.2f}{which}")
+            parts.append(f"{TERM_NAMES[name]} {max(values.values()) / scale:.2f}{which}")
     return ["", f"shapes ({unit}, zero_utils.peak_terms): {'; '.join(parts)}."] if parts else []
 
 

@@ -353,6 +353,11 @@ def architecture_from_sizes(num_params: int, hidden_size: int, num_layers: int, 
 
 
 
+def element_bytes(dtype: str) -> int:
+    """Bytes of one element in the compute dtype: 4 for 'fp32', 2 for 'bf16' (activations, gathered parameters)."""
+    return 4 if dtype == "fp32" else 2
+
+
 OFFLOAD_INPUTS_ON_DEVICE = 2  # with activation offloading: the block input being copied out while the next computes
 
 
@@ -374,21 +379,21 @@ def activation_bytes(arch: Architecture, *, seq_len: int, micro_batch_size: int,
         layer += 5 * arch.num_heads * s * s * b
     inputs_kept = min(arch.num_layers, OFFLOAD_INPUTS_ON_DEVICE) if activation_offloading else arch.num_layers
     layers = inputs_kept * 2 * s * b * h + layer if activation_checkpointing else arch.num_layers * layer
-    element_bytes = 4 if dtype == "fp32" else 2
+    e = element_bytes(dtype)
     loss_tokens = min(loss_chunk_tokens, s * b) if loss_chunk_tokens else s * b
-    return layers * element_bytes // 2 + loss_tokens * arch.vocab_size * (element_bytes + 4)
+    return layers * e // 2 + loss_tokens * arch.vocab_size * (e + 4)
 
 
 def offloaded_activation_bytes(arch: Architecture, *, seq_len: int, micro_batch_size: int, dtype: str = "bf16") -> int:
     """Host bytes per rank that activation offloading holds: every checkpointed block's input (s x b x h elements in
     the compute dtype, L of them), in pinned memory on a GPU machine."""
-    return arch.num_layers * seq_len * micro_batch_size * arch.hidden_size * (4 if dtype == "fp32" else 2)
+    return arch.num_layers * seq_len * micro_batch_size * arch.hidden_size * element_bytes(dtype)
 
 
 def transient_bytes(engine: Engine, arch: Architecture, *, dtype: str = "bf16", trainable_fraction: float = 1.0) -> int:
     """Bytes each engine adds at its peak beyond model states: buckets and gathered parameters in the compute
     dtype (the module docstring lists them per engine). Engines: all."""
-    element_bytes = 4 if dtype == "fp32" else 2
+    e = element_bytes(dtype)
     psi, h = arch.num_params, arch.hidden_size
     if engine.family == "single":  # no buckets, nothing gathered
         return 0
@@ -397,15 +402,15 @@ def transient_bytes(engine: Engine, arch: Architecture, *, dtype: str = "bf16", 
     buckets = deepspeed_bucket_elements(h)
     reduce_bucket, prefetch_bucket = buckets["reduce_bucket_size"], buckets["stage3_prefetch_bucket_size"]
     if engine.is_deepspeed and engine.zero_stage < 3:
-        return element_bytes * (min(reduce_bucket, psi) + min(500_000_000, psi))
+        return e * (min(reduce_bucket, psi) + min(500_000_000, psi))
     if engine.is_deepspeed:  # ZeRO-3; its reduce bucket holds fp32 (the recipe reduces gradients in fp32)
         gathered = min(1_000_000_000, psi) + min(prefetch_bucket, psi) + arch.persistent_params
-        return element_bytes * gathered + 4 * min(reduce_bucket, psi)
+        return e * gathered + 4 * min(reduce_bucket, psi)
     unit = max(arch.block_params, arch.embed_params)
-    unit_grad = element_bytes * int(unit * trainable_fraction)
+    unit_grad = e * int(unit * trainable_fraction)
     if engine.zero_stage == 2:  # fsdp2_zero2
-        return element_bytes * psi + unit_grad
-    return element_bytes * (arch.head_params + 2 * unit) + unit_grad
+        return e * psi + unit_grad
+    return e * (arch.head_params + 2 * unit) + unit_grad
 
 
 

@@ -33,14 +33,12 @@ communicator buffers, the caching allocator's fragmentation, cuBLAS workspaces.
 from __future__ import annotations
 
 from zero_utils.engine import Engine
-from zero_utils.memory_formulas import Architecture
+from zero_utils.memory_formulas import Architecture, element_bytes
 
 TERMS = ("block_mask", "loss_backward", "fp32_reduce_scatter", "autocast_copies")  # their order in every print-out
+TERM_NAMES = {"block_mask": "block mask", "loss_backward": "loss backward",  # as the fit check and the CLI print them
+              "fp32_reduce_scatter": "fp32 reduce-scatter", "autocast_copies": "autocast copies"}
 LOSS_BACKWARD_BYTES = 12  # per token and vocabulary entry: fp32 log-softmax, its gradient in, the logits' gradient
-
-
-def _element_bytes(dtype: str) -> int:
-    return 4 if dtype == "fp32" else 2
 
 
 def packed_mask_bytes(arch: Architecture, *, seq_len: int, micro_batch_size: int, dtype: str,
@@ -49,7 +47,7 @@ def packed_mask_bytes(arch: Architecture, *, seq_len: int, micro_batch_size: int
     (the module docstring), in bytes per GPU; 0 unless rows are packed and attention is sdpa. Engines: all."""
     if not packed_rows or attention != "sdpa":
         return 0
-    s, b, h, e = seq_len, micro_batch_size, arch.hidden_size, _element_bytes(dtype)
+    s, b, h, e = seq_len, micro_batch_size, arch.hidden_size, element_bytes(dtype)
     kv_width = h * arch.num_kv_heads // arch.num_heads if arch.num_heads and arch.num_kv_heads else h
     layers = 1 if activation_checkpointing else arch.num_layers
     return b * s * s + layers * (e * b * s * s + 2 * e * b * s * (h - kv_width))
@@ -62,7 +60,7 @@ def loss_backward_bytes(arch: Architecture, *, seq_len: int, micro_batch_size: i
     micro-batch). Engines: all."""
     tokens = seq_len * micro_batch_size
     tokens = min(loss_chunk_tokens, tokens) if loss_chunk_tokens else tokens
-    return (LOSS_BACKWARD_BYTES - (_element_bytes(dtype) + 4)) * tokens * arch.vocab_size
+    return (LOSS_BACKWARD_BYTES - (element_bytes(dtype) + 4)) * tokens * arch.vocab_size
 
 
 def fsdp2_reduce_scatter_bytes(engine: Engine, arch: Architecture, *, dtype: str,
