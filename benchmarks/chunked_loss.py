@@ -24,7 +24,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # zero_utils from this checkout, also where it is not installed
-from zero_utils.launcher import accelerate_launch_command, config_file  # noqa: E402
+from zero_utils.launch.launcher import accelerate_launch_command, config_file  # noqa: E402
 
 VOCAB, SEQ_LEN, CHUNK = 128_256, 2048, 1024
 

@@ -26,7 +26,7 @@ budget left is skipped, with that reason), each writing <output_dir>/<step>.json
                      --batch_size rows per micro-batch, accumulation 1 and 2, under fsdp2.yaml, then zero3.yaml
                      when DeepSpeed imports; then fsdp2 at accumulation 1 compiled as a user asks for it
                      (`--dynamo_backend inductor --dynamo_use_regional_compilation`: each block in place,
-                     zero_utils.compiling; skipped under --smoke), and fsdp2 with --gradient_checkpointing
+                     zero_utils.run.compiling; skipped under --smoke), and fsdp2 with --gradient_checkpointing
                      --activation_offloading. From the run's summary.json: tokens/s (median
                      over steps), the first step's extra seconds (compile time), MFU, the peak memory allocated
                      next to the fit check's estimate, the model-state bytes measured next to
@@ -55,7 +55,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # zero_utils from this checkout, also where it is not installed (the GPU machine)
-from zero_utils.launcher import accelerate_launch_command, config_file  # noqa: E402
+from zero_utils.launch.launcher import accelerate_launch_command, config_file  # noqa: E402
 
 # Published dense bf16 peaks (no sparsity), FLOP/s: NVIDIA's H100 SXM / H200 datasheets, A100 datasheet.
 PUBLISHED_BF16_PEAK = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12}

@@ -46,10 +46,10 @@ PACKAGES = ["torch", "transformers", "accelerate", "tokenizers", "peft", "datase
             "flash-attn", "triton"]
 # What zero_utils would use on torch >= 2.13 and does instead on an older torch (the GPU image has 2.11).
 TORCH_2_13_ONLY = {
-    "FSDPModule.reset_iter_state": "zero_utils.wrapping.reshard_after_inference reshards every FSDP module instead "
-                                   "(reshard_every_group); the first backward after an eval or generation forward "
-                                   "all-gathers the output-head group once more",
-    "FSDPState._fsdp_param_groups": "zero_utils.wrapping.fsdp2_held_gradients reads the one _fsdp_param_group of "
+    "FSDPModule.reset_iter_state": "zero_utils.model.wrapping.reshard_after_inference reshards every FSDP module "
+                                   "instead (reshard_every_group); the first backward after an eval or generation "
+                                   "forward all-gathers the output-head group once more",
+    "FSDPState._fsdp_param_groups": "zero_utils.model.wrapping.fsdp2_held_gradients reads the one _fsdp_param_group of "
                                     "each module instead",
 }
 
@@ -180,7 +180,7 @@ def _measure(run, device, repeats: int = 3) -> dict:
     memory, the bytes autograd saved, and the attention kernels of one profiled call."""
     from torch.profiler import ProfilerActivity, profile
 
-    from zero_utils.measurement import count_saved_activations, peak_memory_bytes, reset_peak_memory
+    from zero_utils.train.measurement import count_saved_activations, peak_memory_bytes, reset_peak_memory
 
     run()
     times = []
@@ -209,7 +209,7 @@ def _measure(run, device, repeats: int = 3) -> dict:
 def attention(smoke: bool) -> dict:
     import torch
 
-    from zero_utils.attention import varlen_kwargs
+    from zero_utils.data.attention import varlen_kwargs
 
     device = _device(smoke)
     dtype = torch.float32 if smoke else torch.bfloat16
@@ -264,9 +264,9 @@ def chunked_head(smoke: bool) -> dict:
     import torch
     from accelerate import Accelerator
 
-    from zero_utils.data import MicroBatch
-    from zero_utils.measurement import peak_memory_bytes, reset_peak_memory
-    from zero_utils.token_loss import TokenLosses
+    from zero_utils.data.training import MicroBatch
+    from zero_utils.train.measurement import peak_memory_bytes, reset_peak_memory
+    from zero_utils.train.token_loss import TokenLosses
 
     device = _device(smoke)
     dtype = torch.float32 if smoke else torch.bfloat16
@@ -317,8 +317,8 @@ def tokenizer_workers(smoke: bool) -> dict:
     from datasets import load_dataset
     from transformers import AutoTokenizer
 
-    from zero_utils import prepared_rows
-    from zero_utils.sft_examples import detect_layout
+    from zero_utils.data import prepared_rows
+    from zero_utils.data.sft_examples import detect_layout
 
     device = _device(smoke)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))

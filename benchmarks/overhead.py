@@ -25,7 +25,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from memory import make_model  # noqa: E402  (the 3.3M-parameter Llama of the tests)
 
-from zero_utils.launcher import accelerate_launch_command, free_port  # noqa: E402
+from zero_utils.launch.launcher import accelerate_launch_command, free_port  # noqa: E402
 
 UNTIMED_STEPS = 4
 

@@ -4,7 +4,7 @@ benchmarks/run.py times against recipes/llama_zero3.py at world size 1 to measur
     python benchmarks/plain_loop.py --model DIR --output_dir D --max_steps 10 --per_device_batch_size 4 --seq_len 256
 
 Same model (built from the config with the same seed), same packed rows and global-batch order (zero_utils.data),
-same loss (mean over answer tokens), same AdamW (zero_utils.optim.build_adamw: torch.optim.AdamW), same clipping.
+same loss (mean over answer tokens), same AdamW (zero_utils.train.optim.build_adamw: torch.optim.AdamW), same clipping.
 A step is timed from its start to the end of `zero_grad` (the recipe: from its start to the optimizer's update,
 the moment `measurement.RunMeasurements` records; `zero_grad` after it sets gradients to None, microseconds). Writes
 D/plain_loop.json: median tokens_per_s over the steps after --untimed_steps, and every step time.
@@ -19,9 +19,10 @@ import torch
 import workload  # benchmarks/workload.py: flags, loss and timing shared with trainer_baseline.py
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from zero_utils import data, prepared_rows, sft_examples
-from zero_utils.model import load_tokenizer
-from zero_utils.optim import build_adamw
+from zero_utils.data import prepared_rows, sft_examples
+from zero_utils.data import training as data
+from zero_utils.model.loading import load_tokenizer
+from zero_utils.train.optim import build_adamw
 
 args = workload.parser(__doc__).parse_args()
 
@@ -33,7 +34,7 @@ rows, _, _ = prepared_rows.prepare_rows(one_process, tokenizer, data.BUNDLED_DAT
                                         eval_fraction=0.0, seed=args.seed, column_map=None,
                                         pad_token_id=data.pad_token_id_within(tokenizer, len(tokenizer)))
 rows = rows.with_format("torch", columns=["input_ids", "labels", "position_ids"])
-# A config-only folder, as the recipe builds it (zero_utils.model.load_causal_lm): random fp32 weights.
+# A config-only folder, as the recipe builds it (zero_utils.model.loading.load_causal_lm): random fp32 weights.
 model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model), dtype=torch.float32)
 optimizer = build_adamw(model, args.lr, weight_decay=0.1)
 model.train()

@@ -13,20 +13,20 @@ BENCH_COMMS_STEP=S  counts every c10d collective of optimizer step S with torch.
                     `data.global_batch_indices(step=S)` to its call for step S+1, so it includes the recipe's small
                     scalar all-reduces (token count, loss, grad norm, metrics maxima).
 BENCH_DEEPSPEED_DEFAULT_BUCKETS=1  leaves DeepSpeed's bucket sizes at its own defaults (what the Trainer gets from
-                    the same YAML) instead of zero_utils.accelerator's (the hidden size's, at least 25 MiB).
+                    the same YAML) instead of zero_utils.run.accelerator's (the hidden size's, at least 25 MiB).
 BENCH_DEEPSPEED_ZERO='{"key": value, ...}'  overrides DeepSpeed `zero_optimization` settings once
-                    zero_utils.accelerator has sized its buckets (one setting at a time, for ablations): e.g.
+                    zero_utils.run.accelerator has sized its buckets (one setting at a time, for ablations): e.g.
                     '{"reduce_bucket_size": 65536, "stage3_prefetch_bucket_size": 58982}' is accelerate's plain
                     "auto" at hidden 256.
 BENCH_NO_CHECKPOINTS=1  saves no checkpoint and exports no final/ folder (benchmarks/gpu.py: its 0.85B model's
                     checkpoint with Adam's state is ~10 GB, minutes of disk writes that measure nothing it reports);
                     summary.json's "checkpoint" then names a folder never written, "checkpoint_bytes" 0.
-BENCH_ACCELERATE_FSDP2_PREP=1  skips zero_utils.wrapping.shard_model: accelerate's `prepare` then applies
+BENCH_ACCELERATE_FSDP2_PREP=1  skips zero_utils.model.wrapping.shard_model: accelerate's `prepare` then applies
                     `fully_shard` itself (TRANSFORMER_BASED_WRAP on the decoder-block class, then the root, all
                     with the YAML's reshard_after_forward), which is what users get without our wrapping choices.
 BENCH_ACCELERATE_ACCUMULATION=1  FSDP2 accumulates as accelerate does by default (`sync_each_batch=False`: gradient
                     sync off until a step's last micro-batch, unsharded gradients on every rank until then), instead
-                    of zero_utils.accelerator's reduce-scatter every micro-batch: the before of docs/MEMORY.md's
+                    of zero_utils.run.accelerator's reduce-scatter every micro-batch: the before of docs/MEMORY.md's
                     accumulation table (benchmarks/accumulation.py).
 """
 
@@ -36,10 +36,10 @@ import os
 import sys
 from pathlib import Path
 
-import zero_utils.accelerator
-import zero_utils.data
-import zero_utils.deepspeed_setup
-import zero_utils.wrapping
+import zero_utils.data.training
+import zero_utils.model.deepspeed_setup
+import zero_utils.model.wrapping
+import zero_utils.run.accelerator
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -49,7 +49,7 @@ def count_comms_of_step(step_to_count: int, path: str) -> None:
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
-    original = zero_utils.data.global_batch_indices
+    original = zero_utils.data.training.global_batch_indices
     state = {}
 
     def global_batch_indices(num_rows, global_batch_size, step, seed):
@@ -66,7 +66,7 @@ def count_comms_of_step(step_to_count: int, path: str) -> None:
         counted = count_collectives(prof.events(), dist.get_world_size())
         Path(f"{path}.rank{dist.get_rank()}").write_text(json.dumps(counted))
 
-    zero_utils.data.global_batch_indices = global_batch_indices
+    zero_utils.data.training.global_batch_indices = global_batch_indices
 
 
 # NCCL's profiling titles (torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp); each event records its inputs only.
@@ -116,14 +116,14 @@ def count_collectives(events, world: int) -> dict:
 
 
 def override_deepspeed_zero(settings: dict) -> None:
-    size_deepspeed_buckets = zero_utils.deepspeed_setup.size_deepspeed_buckets
+    size_deepspeed_buckets = zero_utils.model.deepspeed_setup.size_deepspeed_buckets
 
     def sized_then_overridden(accelerator, model):
         written = size_deepspeed_buckets(accelerator, model)
         accelerator.state.deepspeed_plugin.deepspeed_config["zero_optimization"].update(settings)
         return written | settings
 
-    zero_utils.deepspeed_setup.size_deepspeed_buckets = sized_then_overridden
+    zero_utils.model.deepspeed_setup.size_deepspeed_buckets = sized_then_overridden
 
 
 def accelerate_fsdp2_prep() -> None:
@@ -131,14 +131,15 @@ def accelerate_fsdp2_prep() -> None:
 
     def shard_model(model, accelerator, *_args, **_kwargs):  # whatever our wrapping's options, none applies
         plugin = accelerator.state.fsdp_plugin
-        plugin.transformer_cls_names_to_wrap = sorted(c.__name__ for c in zero_utils.wrapping.find_block_classes(model))
+        blocks = zero_utils.model.wrapping.find_block_classes(model)
+        plugin.transformer_cls_names_to_wrap = sorted(c.__name__ for c in blocks)
         return model
 
-    zero_utils.wrapping.shard_model = shard_model
+    zero_utils.model.wrapping.shard_model = shard_model
 
 
 def accelerate_default_accumulation() -> None:
-    """zero_utils.accelerator builds accelerate's GradientAccumulationPlugin for FSDP2 with sync_each_batch=True;
+    """zero_utils.run.accelerator builds accelerate's GradientAccumulationPlugin for FSDP2 with sync_each_batch=True;
     this makes it False, accelerate's default."""
     import accelerate.utils
 
@@ -153,7 +154,7 @@ def accelerate_default_accumulation() -> None:
 def no_checkpoints() -> None:
     """The checkpointer's save does nothing (it still returns the stop flag the loop obeys) and its export writes
     nothing (it returns the folder it would have written)."""
-    from zero_utils.checkpoint import Checkpointer
+    from zero_utils.checkpoint.policy import Checkpointer
 
     Checkpointer.save = lambda self, step, *, stop: stop
     Checkpointer.export = lambda self, out_dir: Path(out_dir)
@@ -163,7 +164,7 @@ if __name__ == "__main__":
     if os.environ.get("BENCH_COMMS_STEP"):
         count_comms_of_step(int(os.environ["BENCH_COMMS_STEP"]), os.environ["BENCH_COMMS_FILE"])
     if os.environ.get("BENCH_DEEPSPEED_DEFAULT_BUCKETS") == "1":
-        zero_utils.accelerator._DEEPSPEED_AUTO_BUCKETS.clear()
+        zero_utils.run.accelerator._DEEPSPEED_AUTO_BUCKETS.clear()
     if os.environ.get("BENCH_DEEPSPEED_ZERO"):
         override_deepspeed_zero(json.loads(os.environ["BENCH_DEEPSPEED_ZERO"]))
     if os.environ.get("BENCH_ACCELERATE_FSDP2_PREP") == "1":

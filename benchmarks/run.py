@@ -16,9 +16,9 @@ Rows (results.json keys; docs/BENCHMARKS.md explains each and holds the figures)
     trainer        the recipe vs benchmarks/trainer_baseline.py (transformers Trainer) under fsdp2.yaml and
                    zero3.yaml at 2 processes: tokens/s and peak memory per rank; the Trainer's sharding asserted.
                    Also the recipe under ZeRO-3 with DeepSpeed's default bucket sizes, the Trainer's (ours: the hidden
-                   size's, at least 25 MiB: zero_utils.memory_formulas.deepspeed_bucket_elements).
+                   size's, at least 25 MiB: zero_utils.formulas.memory.deepspeed_bucket_elements).
     sharding_cost  step time of each engine / DDP's at world size 2 and 4, plus FSDP2 prepared by accelerate itself
-                   (benchmarks/recipe_probe.py skips zero_utils.wrapping) vs ours.
+                   (benchmarks/recipe_probe.py skips zero_utils.model.wrapping) vs ours.
 The machine is shared and noisy: every timing is a ratio of runs interleaved within one repeat (A B A B ...),
 over --repeats repeats; results give the median ratio and its min-max. Throughput of a run = global tokens per
 step / median step time over the steps after the first 4 (step 3 is the profiled one in comms runs).
@@ -41,10 +41,10 @@ from memory import make_model  # noqa: E402  (benchmarks/memory.py: the 3.3M-par
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from zero_utils.launcher import accelerate_launch_command, config_file, free_port  # noqa: E402
+from zero_utils.launch.launcher import accelerate_launch_command, config_file, free_port  # noqa: E402
 
 ENGINES = ["ddp", "zero1", "zero2", "zero3", "fsdp2", "fsdp2_zero2"]
-ACCELERATE_PREP = "fsdp2_accelerate_prep"  # FSDP2 wrapped by accelerate's prepare instead of zero_utils.wrapping
+ACCELERATE_PREP = "fsdp2_accelerate_prep"  # FSDP2 wrapped by accelerate's prepare instead of zero_utils.model.wrapping
 TRAINER_ENGINES = ["fsdp2", "zero3"]
 # ZeRO-3 with DeepSpeed's default bucket sizes, as the Trainer gets them from the same YAML (our runtime sizes them
 # from the hidden size, with a floor): isolates that one difference in the Trainer comparison.

@@ -5,8 +5,8 @@ what users would pick instead of recipes/llama_zero3.py. benchmarks/run.py launc
         benchmarks/trainer_baseline.py --model DIR --output_dir D --max_steps 10 --per_device_batch_size 4 --seq_len 256
 
 On a machine without CUDA the Trainer's own Accelerator falls back to one process per rank, unsharded
-(docs/ARCHITECTURE.md). So the accelerate state is built first by zero_utils.accelerator.build_accelerator (gloo, the
-engine the launch named) and the Trainer is told to reuse it (`accelerator_config={"use_configured_state":
+(docs/ARCHITECTURE.md). So the accelerate state is built first by zero_utils.run.accelerator.build_accelerator (gloo,
+the engine the launch named) and the Trainer is told to reuse it (`accelerator_config={"use_configured_state":
 True}`); after training this script records how much of the model each rank holds, so a run that did not shard
 is caught.
 Writes D/trainer.json: median tokens_per_s (global, steps after --untimed_steps), peak_mem_bytes (max over ranks,
@@ -23,14 +23,17 @@ import workload  # benchmarks/workload.py: flags, loss and timing shared with pl
 from accelerate import PartialState
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from zero_utils import accelerator as accelerator_setup
-from zero_utils import data, distributed, evidence, measurement, prepared_rows, sft_examples
-from zero_utils.engine import Engine
-from zero_utils.model import load_causal_lm, load_tokenizer
+from zero_utils.data import prepared_rows, sft_examples
+from zero_utils.data import training as data
+from zero_utils.model.loading import load_causal_lm, load_tokenizer
+from zero_utils.run import accelerator as accelerator_setup
+from zero_utils.run import distributed
+from zero_utils.run.engine import Engine
+from zero_utils.train import evidence, measurement
 
 args = workload.parser(__doc__).parse_args()
 
-# FSDP2 (and DDP): the state first (zero_utils.accelerator: gloo + the launched engine), then the Trainer reuses
+# FSDP2 (and DDP): the state first (zero_utils.run.accelerator: gloo + the launched engine), then the Trainer reuses
 # it. DeepSpeed needs only a gloo process group, which the Trainer builds itself from `ddp_backend`; it refuses a
 # configured DeepSpeed state ("cannot pass in a deepspeed_plugin when creating a second Accelerator"), so it builds
 # its own from the launch's environment, as it would for a user.

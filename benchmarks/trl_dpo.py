@@ -10,10 +10,10 @@ its reference from a model's path; the recipe reads it as any pretrained --model
 warmup, gradients clipped at 1.0, --per_device_batch_size pairs on each of --world_size processes, --seq_len tokens.
 The pairs are the bundled ones; trl gets them as chat messages (it applies the chat template to conversational
 pairs; the recipe applies it to string pairs), in the recipe's order: step s trains the recipe's global batch of
-step s (`zero_utils.data.global_batch_indices`) through a sequential sampler.
+step s (`zero_utils.data.training.global_batch_indices`) through a sequential sampler.
 
-trl runs in its own process (benchmarks/trl_dpo_worker.py), after zero_utils.accelerator's CPU adaptation: without it
-accelerate selects FSDP only for accelerator devices and trl's Trainer under fsdp2.yaml would silently run DDP. Each
+trl runs in its own process (benchmarks/trl_dpo_worker.py), after zero_utils.run.accelerator's CPU adaptation: without
+it accelerate selects FSDP only for accelerator devices and trl's Trainer under fsdp2.yaml would silently run DDP. Each
 side's real engine is read from its Accelerator; a mismatch is an error row, not a result. Written to --output_dir:
 results.json and results.md (per config and side: the engine, step 1's and the last step's loss, the largest loss
 difference to ours, the last reward margin, the peak memory per rank during training, the reference model's bytes per
@@ -51,8 +51,8 @@ parser.add_argument("--trl_path", default="", help="a folder put first on trl's 
 def ordered_pairs(out: Path, steps: int, global_batch: int, seed: int) -> int:
     """Write the bundled pairs of steps 1..`steps`, in the recipe's order, as chat messages for trl; return the
     number of bundled pairs (the recipe's train split with --eval_fraction 0)."""
-    from zero_utils.data import global_batch_indices
-    from zero_utils.preference_data import BUNDLED_PREFERENCES
+    from zero_utils.data.training import global_batch_indices
+    from zero_utils.preference.data import BUNDLED_PREFERENCES
 
     rows = [json.loads(line) for line in Path(BUNDLED_PREFERENCES).read_text().splitlines() if line.strip()]
     with open(out, "w") as f:
@@ -84,7 +84,7 @@ def saved_base(out: Path, seed: int) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from zero_utils.model import BUNDLED_MODEL
+    from zero_utils.model.loading import BUNDLED_MODEL
 
     base = out / "base"
     if not (base / "model.safetensors").is_file():

@@ -1,10 +1,10 @@
 """trl's DPOTrainer on the pairs benchmarks/trl_dpo.py orders, one process of an `accelerate launch` (that driver
 launches it; trl is imported here only). Writes --result (JSON, on the main process): the engine the Trainer's
 Accelerator really ran (`Engine.of`), per-step loss and rewards from trl's logs, each step's wall time, the peak
-memory per rank during training (`zero_utils.measurement.peak_memory_bytes`, as the recipes measure it) and the bytes
-of trl's reference model each rank holds (`zero_utils.evidence.held_here`).
+memory per rank during training (`zero_utils.train.measurement.peak_memory_bytes`, as the recipes measure it) and the
+bytes of trl's reference model each rank holds (`zero_utils.train.evidence.held_here`).
 
-On CPU, zero_utils.accelerator's adaptation runs before the Trainer builds its Accelerator: without it accelerate
+On CPU, zero_utils.run.accelerator's adaptation runs before the Trainer builds its Accelerator: without it accelerate
 selects FSDP only for accelerator devices and fsdp2.yaml would silently run DDP.
 """
 
@@ -39,11 +39,11 @@ def main() -> None:
     from transformers import TrainerCallback
     from trl import DPOConfig, DPOTrainer
 
-    from zero_utils.accelerator import adapt_cpu_launch, requested_engine_family
-    from zero_utils.engine import Engine
-    from zero_utils.evidence import held_here
-    from zero_utils.measurement import peak_memory_bytes, reset_peak_memory
-    from zero_utils.model import load_tokenizer
+    from zero_utils.model.loading import load_tokenizer
+    from zero_utils.run.accelerator import adapt_cpu_launch, requested_engine_family
+    from zero_utils.run.engine import Engine
+    from zero_utils.train.evidence import held_here
+    from zero_utils.train.measurement import peak_memory_bytes, reset_peak_memory
 
     family = requested_engine_family()
     timeout = datetime.timedelta(seconds=900)

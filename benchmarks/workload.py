@@ -8,7 +8,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from zero_utils import sft_examples
+from zero_utils.data import sft_examples
 
 
 def parser(description: str) -> argparse.ArgumentParser:

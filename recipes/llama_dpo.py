@@ -13,12 +13,12 @@ Features, the flag that controls each, and its cost:
                 any source llama_zero3.py takes; the chat template as in SFT, loss on the final answer's tokens;
                 each answer with its prompt cut to --seq_len tokens, a pair whose answer keeps no token dropped
                 (both counted in the data line); a pair's two answers in one micro-batch, right-padded, never
-                packed (zero_utils/preference_data.py); pairs tokenized once per job by --num_proc forked
+                packed (zero_utils/preference/data.py); pairs tokenized once per job by --num_proc forked
                 processes into memory-mapped files, reused by a relaunch with the same data and settings
-                (zero_utils/prepared_pairs.py)
+                (zero_utils/preference/prepared_pairs.py)
     loss        --loss sigmoid (DPO) | ipo | simpo, --beta (0 = the loss's default), --simpo_gamma, --sft_weight
                 (+ the chosen answers' NLL per token); the mean over the global batch's pairs, so processes and
-                accumulation never change the maths (zero_utils/preference_loss.py cites each paper)
+                accumulation never change the maths (zero_utils/preference/loss.py cites each paper)
     reference   --reference model (sigmoid, ipo) | precomputed (sigmoid, ipo) | none (simpo). model: a frozen
                 copy of the starting weights in the compute dtype, sharded like the policy under ZeRO-3 and FSDP2
                 (2 Psi / N bytes in bf16), a replica under DDP and ZeRO-1/2 (2 Psi); one more forward per
@@ -26,7 +26,7 @@ Features, the flag that controls each, and its cost:
                 model); rebuilt on resume, never saved (a resume must name the checkpoint's --model).
                 precomputed: the same copy scores every pair once before the policy is built and is freed (training
                 holds 8 bytes per pair of it); the log-probs are kept with the prepared pairs and reused by a
-                relaunch or a resume (zero_utils/reference_logps.py); no forward of it per micro-batch
+                relaunch or a resume (zero_utils/preference/reference_logps.py); no forward of it per micro-batch
     flow        SFT with llama_zero3.py, then --model runs/llama_zero3/final (README: Preference tuning)
     batch       --per_device_batch_size pairs (2x rows) x --gradient_accumulation_steps x processes = global batch
     offloading  --activation_offloading (with --gradient_checkpointing) as in llama_zero3.py
@@ -45,18 +45,21 @@ import torch
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
-from zero_utils import tracking
-from zero_utils.accelerator import build_accelerator, close_and_exit
-from zero_utils.checkpoint import Checkpointer
-from zero_utils.cli import flag, run_recipe
-from zero_utils.data import DataSource
-from zero_utils.fit_check import check_fit
-from zero_utils.measurement import RunMeasurements, checkpoint_bytes
-from zero_utils.model import BUNDLED_MODEL, count_parameters, greedy_answer, load_causal_lm, load_config, load_tokenizer
-from zero_utils.optim import build_adamw, clip_gradients, describe_param_groups, lr_at, set_lr
-from zero_utils.parallelize import FSDPWrapping, after_prepare, parallelize
-from zero_utils.preference_data import BUNDLED_PREFERENCES, PreferenceData
-from zero_utils.preference_loss import (
+from zero_utils.checkpoint.policy import Checkpointer
+from zero_utils.data.training import DataSource
+from zero_utils.launch.cli import flag, run_recipe
+from zero_utils.memory.fit_check import check_fit
+from zero_utils.model.loading import (
+    BUNDLED_MODEL,
+    count_parameters,
+    greedy_answer,
+    load_causal_lm,
+    load_config,
+    load_tokenizer,
+)
+from zero_utils.model.parallelize import FSDPWrapping, after_prepare, parallelize
+from zero_utils.preference.data import BUNDLED_PREFERENCES, PreferenceData
+from zero_utils.preference.loss import (
     LOSSES,
     answer_log_probs,
     averages_log_probs,
@@ -64,9 +67,13 @@ from zero_utils.preference_loss import (
     pair_scores,
     resolve,
 )
-from zero_utils.reference_logps import PrecomputedReference
-from zero_utils.reference_model import ReferenceModel
-from zero_utils.token_loss import TokenLosses
+from zero_utils.preference.reference_logps import PrecomputedReference
+from zero_utils.preference.reference_model import ReferenceModel
+from zero_utils.run.accelerator import build_accelerator, close_and_exit
+from zero_utils.train import tracking
+from zero_utils.train.measurement import RunMeasurements, checkpoint_bytes
+from zero_utils.train.optim import build_adamw, clip_gradients, describe_param_groups, lr_at, set_lr
+from zero_utils.train.token_loss import TokenLosses
 
 
 # ---------------------------------------------------------------------------------------------- settings

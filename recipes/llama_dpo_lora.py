@@ -15,8 +15,9 @@ Features, the flag that controls each, and its cost:
                 r-sized; the adapters are added before the engine shards the model, so every rank holds the same ones
     reference   --reference model (sigmoid, ipo) | none (simpo): the starting model, which is the base with the
                 adapters off (they start at B = 0): each micro-batch's no-grad forward through the policy itself
-                inside PEFT's disable_adapter (zero_utils.reference_model.adapters_off), before the policy's forward;
-                one more forward per micro-batch [FSDP2, ZeRO-3: its all-gathers too], no memory held between steps
+                inside PEFT's disable_adapter (zero_utils.preference.reference_model.adapters_off), before the policy's
+                forward; one more forward per micro-batch [FSDP2, ZeRO-3: its all-gathers too], no memory held between
+                steps
     export      final/ = the PEFT adapter (PeftModel.from_pretrained reloads it on the base --model); --merge also
                 writes final/merged/, the base with the adapters merged in (a plain model), as in llama_lora.py
     offloading  --activation_offloading (with --gradient_checkpointing) as in llama_dpo.py
@@ -38,15 +39,12 @@ from accelerate.utils import set_seed
 from peft import LoraConfig, get_peft_model  # [LoRA]
 from tqdm.auto import tqdm
 
-from zero_utils import distributed, tracking  # [LoRA] distributed: the adapter saved on the main process
-from zero_utils.accelerator import build_accelerator, close_and_exit
-from zero_utils.checkpoint import Checkpointer
-from zero_utils.cli import flag, run_recipe
-from zero_utils.data import DataSource
-from zero_utils.deepspeed_setup import zero3_init_disabled  # [LoRA] the merge builds the base whole
-from zero_utils.fit_check import check_fit
-from zero_utils.measurement import RunMeasurements, checkpoint_bytes
-from zero_utils.model import (  # [LoRA]
+from zero_utils.checkpoint.policy import Checkpointer
+from zero_utils.data.training import DataSource
+from zero_utils.launch.cli import flag, run_recipe
+from zero_utils.memory.fit_check import check_fit
+from zero_utils.model.deepspeed_setup import zero3_init_disabled  # [LoRA] the merge builds the base whole
+from zero_utils.model.loading import (  # [LoRA]
     BUNDLED_MODEL,  # [LoRA]
     count_parameters,  # [LoRA]
     gather_trainable_state_dict,  # [LoRA]
@@ -55,10 +53,9 @@ from zero_utils.model import (  # [LoRA]
     load_config,  # [LoRA]
     load_tokenizer,  # [LoRA]
 )  # [LoRA]
-from zero_utils.optim import build_adamw, clip_gradients, describe_param_groups, lr_at, set_lr
-from zero_utils.parallelize import FSDPWrapping, after_prepare, parallelize
-from zero_utils.preference_data import BUNDLED_PREFERENCES, PreferenceData
-from zero_utils.preference_loss import (
+from zero_utils.model.parallelize import FSDPWrapping, after_prepare, parallelize
+from zero_utils.preference.data import BUNDLED_PREFERENCES, PreferenceData
+from zero_utils.preference.loss import (
     LOSSES,
     answer_log_probs,
     averages_log_probs,
@@ -66,8 +63,13 @@ from zero_utils.preference_loss import (
     pair_scores,
     resolve,
 )
-from zero_utils.reference_model import adapters_off  # [LoRA] the reference: the policy with its adapters off
-from zero_utils.token_loss import TokenLosses
+from zero_utils.preference.reference_model import adapters_off  # [LoRA] the reference: the policy with its adapters off
+from zero_utils.run import distributed  # [LoRA] distributed: the adapter saved on the main process
+from zero_utils.run.accelerator import build_accelerator, close_and_exit
+from zero_utils.train import tracking
+from zero_utils.train.measurement import RunMeasurements, checkpoint_bytes
+from zero_utils.train.optim import build_adamw, clip_gradients, describe_param_groups, lr_at, set_lr
+from zero_utils.train.token_loss import TokenLosses
 
 
 # ---------------------------------------------------------------------------------------------- settings

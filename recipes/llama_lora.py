@@ -31,15 +31,12 @@ from accelerate.utils import set_seed
 from peft import LoraConfig, get_peft_model  # [LoRA]
 from tqdm.auto import tqdm
 
-from zero_utils import distributed, tracking  # [LoRA] distributed: the adapter saved on the main process
-from zero_utils.accelerator import build_accelerator, close_and_exit
-from zero_utils.checkpoint import Checkpointer
-from zero_utils.cli import flag, run_recipe
-from zero_utils.data import BUNDLED_DATASET, DataSource, TrainingData
-from zero_utils.deepspeed_setup import zero3_init_disabled  # [LoRA] the merge builds the base whole
-from zero_utils.fit_check import check_fit
-from zero_utils.measurement import RunMeasurements, checkpoint_bytes
-from zero_utils.model import (
+from zero_utils.checkpoint.policy import Checkpointer
+from zero_utils.data.training import BUNDLED_DATASET, DataSource, TrainingData
+from zero_utils.launch.cli import flag, run_recipe
+from zero_utils.memory.fit_check import check_fit
+from zero_utils.model.deepspeed_setup import zero3_init_disabled  # [LoRA] the merge builds the base whole
+from zero_utils.model.loading import (
     BUNDLED_MODEL,
     choose_attention,
     count_parameters,
@@ -49,10 +46,14 @@ from zero_utils.model import (
     load_config,
     load_tokenizer,
 )
-from zero_utils.optim import build_adamw, clip_gradients, describe_param_groups, lr_at, set_lr
-from zero_utils.parallelize import FSDPWrapping, after_prepare, parallelize
-from zero_utils.qlora import quantization_config  # [LoRA]
-from zero_utils.token_loss import TokenLosses
+from zero_utils.model.parallelize import FSDPWrapping, after_prepare, parallelize
+from zero_utils.model.qlora import quantization_config  # [LoRA]
+from zero_utils.run import distributed  # [LoRA] distributed: the adapter saved on the main process
+from zero_utils.run.accelerator import build_accelerator, close_and_exit
+from zero_utils.train import tracking
+from zero_utils.train.measurement import RunMeasurements, checkpoint_bytes
+from zero_utils.train.optim import build_adamw, clip_gradients, describe_param_groups, lr_at, set_lr
+from zero_utils.train.token_loss import TokenLosses
 
 
 # ---------------------------------------------------------------------------------------------- settings

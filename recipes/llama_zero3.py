@@ -19,7 +19,7 @@ Features, the flag that controls each, and its cost:
                 masks, flash_attention_2/3/4 with varlen offsets (others refused; unset on CUDA in bf16 with
                 flash-attn installed: flash_attention_2, said in one line); loss only on answer tokens
                 (text: every token, long documents split into windows); rows prepared once per job in bounded
-                memory and reused by a relaunch with the same data and settings (zero_utils/prepared_rows.py),
+                memory and reused by a relaunch with the same data and settings (zero_utils/data/prepared_rows.py),
                 tokenized by --num_proc forked processes (default the CPUs, at most 8; ~20 MB of RAM each)
     batch       --per_device_batch_size x --gradient_accumulation_steps x processes = global batch; the loss
                 is the mean over the global batch's answer tokens, so in fp32 the engine never changes the maths
@@ -57,14 +57,11 @@ import torch
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
-from zero_utils import tracking
-from zero_utils.accelerator import build_accelerator, close_and_exit
-from zero_utils.checkpoint import Checkpointer
-from zero_utils.cli import flag, run_recipe
-from zero_utils.data import BUNDLED_DATASET, DataSource, TrainingData
-from zero_utils.fit_check import check_fit
-from zero_utils.measurement import RunMeasurements, checkpoint_bytes
-from zero_utils.model import (
+from zero_utils.checkpoint.policy import Checkpointer
+from zero_utils.data.training import BUNDLED_DATASET, DataSource, TrainingData
+from zero_utils.launch.cli import flag, run_recipe
+from zero_utils.memory.fit_check import check_fit
+from zero_utils.model.loading import (
     BUNDLED_MODEL,
     choose_attention,
     count_parameters,
@@ -73,9 +70,12 @@ from zero_utils.model import (
     load_config,
     load_tokenizer,
 )
-from zero_utils.optim import build_adamw, clip_gradients, describe_param_groups, lr_at, set_lr
-from zero_utils.parallelize import FSDPWrapping, after_prepare, parallelize
-from zero_utils.token_loss import TokenLosses
+from zero_utils.model.parallelize import FSDPWrapping, after_prepare, parallelize
+from zero_utils.run.accelerator import build_accelerator, close_and_exit
+from zero_utils.train import tracking
+from zero_utils.train.measurement import RunMeasurements, checkpoint_bytes
+from zero_utils.train.optim import build_adamw, clip_gradients, describe_param_groups, lr_at, set_lr
+from zero_utils.train.token_loss import TokenLosses
 
 
 # ---------------------------------------------------------------------------------------------- settings

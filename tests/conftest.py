@@ -19,7 +19,7 @@ for _name in CALLER_VARIABLES:
 
 import pytest  # noqa: E402
 
-from zero_utils.launcher import accelerate_launch_command, config_file, free_port  # noqa: E402
+from zero_utils.launch.launcher import accelerate_launch_command, config_file, free_port  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "accelerate_configs"

@@ -1,16 +1,16 @@
 """Gradient accumulation keeps the ZeRO promise: between the micro-batches of a step each rank holds what its
 engine's formula says, not the whole model's gradients. Under FSDP2 the recipe reduce-scatters every micro-batch
-(accelerate's `sync_each_batch`, zero_utils.accelerator); accelerate's default would keep every rank's unsharded
+(accelerate's `sync_each_batch`, zero_utils.run.accelerator); accelerate's default would keep every rank's unsharded
 gradients until the last micro-batch (torch's `FSDPParam.unsharded_accumulated_grad`). Model-state bytes are
 measured where they peak (after each micro-batch's backward in the first two steps, and after the update), and each
-step's memory peak is its own (zero_utils.measurement)."""
+step's memory peak is its own (zero_utils.train.measurement)."""
 
 from __future__ import annotations
 
 import pytest
 from conftest import isolated_env, llama_from_config
 
-from zero_utils import measurement
+from zero_utils.train import measurement
 
 pytestmark = pytest.mark.distributed
 

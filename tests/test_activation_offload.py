@@ -1,5 +1,5 @@
-"""Activation offloading (--activation_offloading with --gradient_checkpointing; zero_utils.activation_offload). In
-process: a checkpointed tiny Llama trains the same with and without it, every moved tensor comes back once, small
+"""Activation offloading (--activation_offloading with --gradient_checkpointing; zero_utils.model.activation_offload).
+In process: a checkpointed tiny Llama trains the same with and without it, every moved tensor comes back once, small
 tensors and parameters stay; the flag without checkpointing and accelerate's own YAML key are one sentence each.
 Launched (fp32, 2 ranks, the shared 8-step runs' settings, every saved tensor moved: tests/scripts/harness.py sets
 the minimum size to 0): DDP, FSDP2 and ZeRO-3 train the eager runs' losses, each step moves every tensor out and
@@ -14,8 +14,8 @@ import pytest
 import torch
 from conftest import EIGHT_STEPS, isolated_env
 
-from zero_utils.activation_offload import ActivationOffload
-from zero_utils.errors import UserError
+from zero_utils.model.activation_offload import ActivationOffload
+from zero_utils.run.errors import UserError
 
 
 def tiny_llama():
@@ -76,7 +76,7 @@ def test_the_flag_without_checkpointing_and_accelerates_own_key_are_one_sentence
     from accelerate.utils import FullyShardedDataParallelPlugin
     from test_fit_check import check_bundled
 
-    from zero_utils.accelerator import check_fsdp_settings
+    from zero_utils.run.accelerator import check_fsdp_settings
 
     with pytest.raises(UserError, match=r"^--activation_offloading moves the checkpointed blocks' inputs to host "
                                         r"memory: add --gradient_checkpointing\.$"):

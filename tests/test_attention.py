@@ -13,9 +13,9 @@ import torch
 from conftest import REPO
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from zero_utils import attention, packing, sft_examples
-from zero_utils.errors import UserError
-from zero_utils.model import BUNDLED_MODEL
+from zero_utils.data import attention, packing, sft_examples
+from zero_utils.model.loading import BUNDLED_MODEL
+from zero_utils.run.errors import UserError
 
 sys.path.insert(0, str(REPO / "tests" / "scripts"))
 import varlen_probe  # noqa: E402
@@ -99,7 +99,7 @@ def test_a_packed_micro_batch_reaches_the_device_with_no_device_value_read(packe
     micro-batch's tensors all arrive on the device."""
     import datasets
 
-    from zero_utils import data
+    from zero_utils.data import training as data
 
     batch, _, _ = packed_batch
     kwargs = attention.packed_kwargs(batch["position_ids"], attention.VARLEN, "meta")
@@ -125,14 +125,14 @@ def test_unproven_attention_implementation_is_refused():
 
 
 def test_cuda_takes_flash_attention_for_packed_rows_when_it_is_installed(monkeypatch):
-    """zero_utils.model.choose_attention, with flash-attn's presence mocked (no GPU here): on CUDA in bf16 with
+    """zero_utils.model.loading.choose_attention, with flash-attn's presence mocked (no GPU here): on CUDA in bf16 with
     flash-attn the recipes take flash_attention_2 (its varlen kernel keeps packed examples apart) and say so; without
     it, or in fp32, sdpa stays and one line says packed rows run SDPA's masked kernel; a flag given, or the CPU,
     change nothing and print nothing."""
     import transformers.utils
 
-    from zero_utils.attention import VARLEN, packing_path
-    from zero_utils.model import FLASH, choose_attention
+    from zero_utils.data.attention import VARLEN, packing_path
+    from zero_utils.model.loading import FLASH, choose_attention
 
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     monkeypatch.setattr(transformers.utils, "is_flash_attn_2_available", lambda: True)

@@ -17,8 +17,10 @@ import torch
 from conftest import EIGHT_STEPS, REPO, Run, isolated_env, launch
 from safetensors.torch import load_file
 
-from zero_utils import checkpoint, checkpoint_export, checkpoint_storage
-from zero_utils.errors import UserError
+from zero_utils.checkpoint import export as checkpoint_export
+from zero_utils.checkpoint import policy as checkpoint
+from zero_utils.checkpoint import storage as checkpoint_storage
+from zero_utils.run.errors import UserError
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 EXACT_RTOL = 1e-6  # same world size: bitwise-equal states, so only summation-order noise (if any)
@@ -77,7 +79,7 @@ def test_deepspeed_resumes_on_another_world_size_through_a_universal_checkpoint(
 
 
 def test_resume_auto_with_more_steps_follows_the_new_schedule(run_layout, session_root, small_model):
-    from zero_utils.optim import lr_at
+    from zero_utils.train.optim import lr_at
 
     original = run_layout("fsdp2", 2, 4, 1)
     copy = session_root / "ck-extend"
@@ -126,7 +128,7 @@ def test_export_reproduces_the_trained_models_logits(run_layout, session_root, e
     keys, and its logits equal those the sharded model computed at the end of training."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from zero_utils import sft_examples
+    from zero_utils.data import sft_examples
 
     run = run_layout(engine, 2, 4, 1)
     out = session_root / f"export-{engine}"

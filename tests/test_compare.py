@@ -2,7 +2,7 @@
 the report, chart, W&B and --from assertions; the table logic is also tested in process on hand-made summaries.
 
 The failing config is an accelerate YAML written for the test: fsdp2.yaml with `fsdp_version: 1`, which
-zero_utils.accelerator refuses with a UserError in every rank before any work (deterministic, about 6 s). It also
+zero_utils.run.accelerator refuses with a UserError in every rank before any work (deterministic, about 6 s). It also
 exercises configs given as YAML paths.
 """
 
@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 from conftest import CONFIGS, REPO, isolated_env
 
-from zero_utils import compare, compare_report
-from zero_utils.errors import UserError
+from zero_utils.compare import report as compare_report
+from zero_utils.compare import runner as compare
+from zero_utils.run.errors import UserError
 
 GROUP = "test-compare-group"
 FSDP1_ERROR = "the accelerate config asks for FSDP version 1"

@@ -1,7 +1,7 @@
 """torch.compile as accelerate configures it (`accelerate launch --dynamo_backend inductor
---dynamo_use_regional_compilation`), applied by zero_utils.compiling: each decoder block compiled in place. In process:
-the launch's settings, the refusal of a whole-model compile, names unchanged (a PEFT adapter's too). Launched (fp32,
-2 ranks, the shared 8-step runs' settings): DDP, FSDP2 and ZeRO-3 compiled train as their eager runs, with no
+--dynamo_use_regional_compilation`), applied by zero_utils.run.compiling: each decoder block compiled in place. In
+process: the launch's settings, the refusal of a whole-model compile, names unchanged (a PEFT adapter's too). Launched
+(fp32, 2 ranks, the shared 8-step runs' settings): DDP, FSDP2 and ZeRO-3 compiled train as their eager runs, with no
 recompile from step to step; a compiled DDP run's checkpoint and export carry the eager run's keys and a resume
 without compile continues it.
 
@@ -15,8 +15,8 @@ import torch
 from conftest import EIGHT_STEPS, isolated_env
 from safetensors.torch import load_file
 
-from zero_utils import compiling
-from zero_utils.errors import UserError
+from zero_utils.run import compiling
+from zero_utils.run.errors import UserError
 
 COMPILE = ("--dynamo_backend", "inductor", "--dynamo_use_regional_compilation")  # as a user launches it
 DEEPSPEED_COMPILE = {"ACCELERATE_DYNAMO_BACKEND": "INDUCTOR", "ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION": "true"}
@@ -80,7 +80,7 @@ def test_blocks_compile_in_place_and_no_name_changes():
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from zero_utils.wrapping import find_block_classes
+    from zero_utils.model.wrapping import find_block_classes
 
     def tiny():
         config = LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
@@ -144,7 +144,7 @@ def test_a_compiled_runs_checkpoint_and_export_are_an_eager_runs(compiled_run, r
     export's keys equal the eager run's, and the export loads with `from_pretrained`."""
     from transformers import AutoModelForCausalLM
 
-    from zero_utils.checkpoint_storage import DCP_DIR
+    from zero_utils.checkpoint.storage import DCP_DIR
 
     compiled, eager = compiled_run("ddp"), run_layout("ddp", 2, 4, 1)
     keys = [sorted(torch.distributed.checkpoint.FileSystemReader(str(run.output_dir / "checkpoints/step_4" / DCP_DIR))

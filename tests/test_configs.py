@@ -70,7 +70,7 @@ def test_value_out_of_range_is_an_error_that_names_it():
 
 
 def test_zero_utils_never_imports_recipes():
-    for path in (REPO / "zero_utils").glob("*.py"):
+    for path in (REPO / "zero_utils").rglob("*.py"):
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom):
@@ -79,61 +79,74 @@ def test_zero_utils_never_imports_recipes():
                 assert not any(a.name.startswith("recipes") for a in node.names), path
 
 
-# zero_utils's layers, bottom first (docs/ARCHITECTURE.md): a module imports only modules of lower layers.
-LAYERS = [
-    {"errors", "versions", "shipped", "transfer", "activation_offload"},
-    {"compiling", "engine", "stop_signals", "distributed", "data_mixture", "launcher", "attention", "sft_examples",
-     "hub", "preference_loss"},
-    {"accelerator", "wrapping", "optim", "memory_formulas", "qlora", "packing", "data_sources", "preference_examples",
-     "cli"},
-    {"deepspeed_setup", "checkpoint_storage", "measurement", "evidence", "compare_report", "prepared_rows",
-     "token_loss", "peak_terms"},
-    {"model", "checkpoint_export", "reference_model", "prepared_pairs", "prepared_mixture"},
-    {"data"},
-    {"parallelize", "memory_estimate", "checkpoint", "preference_data", "reference_logps"},
-    {"memory", "tracking", "fit_check", "recipe_copy"},
-    {"compare", "__main__"},
-]
+# zero_utils's folders, bottom first (zero_utils/__init__.py, docs/ARCHITECTURE.md): a module imports modules of its
+# own folder and of folders before it, never of a folder after it.
+FOLDERS = ["run", "checkpoint", "formulas", "data", "launch", "model", "train", "memory", "preference", "compare"]
 
 
 def zero_utils_imports(path: Path) -> set[str]:
-    """The zero_utils modules a Python file imports, anywhere in it (function-level imports included)."""
+    """The zero_utils modules a Python file imports, anywhere in it (function-level imports included), as dotted
+    paths below zero_utils: "run.errors" for a module, "data" for a folder's __init__ (its re-exports)."""
+    def module_or_package(dotted: str) -> str:
+        return dotted if (REPO / "zero_utils" / f"{dotted.replace('.', '/')}.py").exists() or "." not in dotted \
+            else dotted.rsplit(".", 1)[0]
+
     imported = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module == "zero_utils":  # modules, not the package's __version__
-            imported |= {a.name for a in node.names if not a.name.startswith("__")}
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("zero_utils."):
-            imported.add(node.module.split(".")[1])
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "zero_utils":
+            below = node.module.partition(".")[2]  # the names imported from it: modules, or attributes of one
+            names = {a.name for a in node.names if not a.name.startswith("__")}  # not the package's __version__
+            imported |= {module_or_package(".".join(filter(None, [below, name]))) for name in names}
         elif isinstance(node, ast.Import):
-            imported |= {a.name.split(".")[1] for a in node.names if a.name.startswith("zero_utils.")}
+            imported |= {a.name.partition(".")[2] for a in node.names if a.name.startswith("zero_utils.")}
     return imported
 
 
-def upward_imports(folder: Path, layers: list[set[str]]) -> list[str]:
-    """Every import in `folder`'s modules of a module in the same or a higher layer, as "a imports b"."""
-    layer_of = {name: i for i, names in enumerate(layers) for name in names}
-    modules = {path.stem for path in folder.glob("*.py")} - {"__init__"}
-    assert modules <= set(layer_of), f"add {sorted(modules - set(layer_of))} to LAYERS"
-    return [f"zero_utils.{name} imports zero_utils.{other} (same or higher layer)" for name in sorted(modules)
-            for other in sorted(zero_utils_imports(folder / f"{name}.py")) if layer_of[other] >= layer_of[name]]
+def upward_imports(package: Path, folders: list[str]) -> list[str]:
+    """Every import, in `package`'s folders, of a folder after the importer's, or of a name that is not in a folder
+    (zero-recipes 0.1's flat names, which import only through zero_utils.MOVED), as "a imports b"."""
+    found = []
+    for path in sorted(package.glob("*/*.py")):
+        folder = path.parent.name
+        assert folder in folders, f"add zero_utils/{folder}/ to FOLDERS"
+        for other in sorted(zero_utils_imports(path)):
+            other_folder = other.split(".")[0]
+            if other_folder not in folders or folders.index(other_folder) > folders.index(folder):
+                found.append(f"zero_utils.{folder}.{path.stem} imports zero_utils.{other}")
+    return found
 
 
-def test_zero_utils_modules_import_only_lower_layers(tmp_path):
-    assert upward_imports(REPO / "zero_utils", LAYERS) == []
-    # the check itself catches an upward import: the formulas reaching up to the estimator
-    for path in (REPO / "zero_utils").glob("*.py"):
-        shutil.copy(path, tmp_path / path.name)
-    with (tmp_path / "memory_formulas.py").open("a") as f:
-        f.write("\n\ndef _upward():\n    from zero_utils.memory_estimate import ENGINES\n    return ENGINES\n")
-    assert upward_imports(tmp_path, LAYERS) == [
-        "zero_utils.memory_formulas imports zero_utils.memory_estimate (same or higher layer)"]
+def test_zero_utils_folders_import_only_their_own_and_earlier_folders(tmp_path):
+    assert upward_imports(REPO / "zero_utils", FOLDERS) == []
+    # the check itself catches an upward import between folders (the formulas reaching up to the estimator) and a
+    # 0.1 name (which would import, through zero_utils.MOVED)
+    shutil.copytree(REPO / "zero_utils", tmp_path / "zero_utils", ignore=shutil.ignore_patterns("__pycache__"))
+    with (tmp_path / "zero_utils/formulas/memory.py").open("a") as f:
+        f.write("\n\ndef _upward():\n    from zero_utils.memory.estimate import ENGINES\n    return ENGINES\n")
+    with (tmp_path / "zero_utils/data/packing.py").open("a") as f:
+        f.write("\n\ndef _flat():\n    from zero_utils import distributed\n    return distributed\n")
+    assert upward_imports(tmp_path / "zero_utils", FOLDERS) == [
+        "zero_utils.data.packing imports zero_utils.distributed",  # a 0.1 name
+        "zero_utils.formulas.memory imports zero_utils.memory.estimate"]
+
+
+def test_each_folder_holds_a_few_modules_and_says_what():
+    """A folder is a concern a reader comes with: at most 9 modules, and an __init__ whose docstring names them."""
+    for folder in FOLDERS:
+        modules = sorted(p.stem for p in (REPO / "zero_utils" / folder).glob("*.py"))
+        modules = [m for m in modules if not m.startswith("__")]
+        assert 1 <= len(modules) <= 9, (folder, modules)
+        doc = ast.get_docstring(ast.parse((REPO / "zero_utils" / folder / "__init__.py").read_text())) or ""
+        assert all(re.search(rf"\b{m}\b", doc) for m in modules), (folder, doc)
+    assert sorted(p.name for p in (REPO / "zero_utils").iterdir() if p.is_dir() and p.name != "__pycache__") == \
+        sorted([*FOLDERS, "assets"])
 
 
 def test_memory_formulas_are_pure_arithmetic():
-    """The formula modules (memory_formulas, peak_terms) load neither torch nor accelerate, DeepSpeed or
+    """The formula modules (formulas/: memory, peak_terms) load neither torch nor accelerate, DeepSpeed or
     transformers (directly or through what they import): the estimator and a reader of the formulas need no
     distributed stack."""
-    code = ("import sys, zero_utils.memory_formulas, zero_utils.peak_terms; "
+    code = ("import sys, zero_utils.formulas.memory, zero_utils.formulas.peak_terms; "
             "print(sorted({m.split('.')[0] for m in sys.modules} & "
             "{'torch', 'accelerate', 'deepspeed', 'transformers'}))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
@@ -146,12 +159,11 @@ MARKED = {"recipes/llama_lora.py": "recipes/llama_zero3.py", "recipes/llama_dpo_
 
 def test_every_zero_utils_module_has_one_job_in_at_most_450_lines():
     """A module's size bounds how many jobs it can hide; each opens with a docstring saying what it owns."""
-    for path in sorted((REPO / "zero_utils").glob("*.py")):
-        if path.stem == "__init__":
-            continue
+    for path in sorted((REPO / "zero_utils").rglob("*.py")):
+        name = path.relative_to(REPO)
         lines = len(path.read_text().splitlines())
-        assert lines <= MAX_MODULE_LINES, f"{path.name}: {lines} lines; split it by job"
-        assert ast.get_docstring(ast.parse(path.read_text())), f"{path.name} has no module docstring"
+        assert lines <= MAX_MODULE_LINES, f"{name}: {lines} lines; split it by job"
+        assert ast.get_docstring(ast.parse(path.read_text())), f"{name} has no module docstring"
 
 
 @pytest.mark.parametrize("lora, base", sorted(MARKED.items()))
@@ -192,8 +204,8 @@ def test_stale_torch_extensions_lock_is_named_and_a_fresh_one_is_not(tmp_path, m
     import os
     import time
 
-    from zero_utils import accelerator
-    from zero_utils.errors import UserError
+    from zero_utils.run import accelerator
+    from zero_utils.run.errors import UserError
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     lock = tmp_path / "deepspeed_shm_comm" / "lock"
@@ -212,32 +224,38 @@ def _tracked_text_files() -> list[Path]:
 
 
 def test_every_zero_utils_name_in_the_repository_exists():
-    """Docs, YAML comments and docstrings name `zero_utils.<module>[.<attribute>]`: each must import and resolve, so
-    a module that is renamed or split cannot leave stale names behind (four YAMLs and a benchmark kept naming the
-    runtime module after it was split by job)."""
+    """Docs, YAML comments and docstrings name `zero_utils.<folder>.<module>[.<attribute>]`: each must import and
+    resolve, so a module that is renamed or split cannot leave stale names behind (four YAMLs and a benchmark kept
+    naming the runtime module after it was split by job). 0.1's flat names (`zero_utils.accelerator`) import through
+    zero_utils.MOVED but are stale everywhere except on a line that describes 0.1."""
     import importlib
     import re
 
     import zero_utils
-    from zero_utils.shipped import FOLDERS, shipped
+    from zero_utils.launch.shipped import FOLDERS, shipped
 
     stale = []
     for path in _tracked_text_files():
-        for name in sorted(set(re.findall(r"\bzero_utils(?:\.[A-Za-z_]\w*)+", path.read_text()))):
-            module_name, *attributes = name.split(".")[1:]
-            if module_name in FOLDERS and shipped(module_name).is_dir() or (
-                    module_name.startswith("__") and hasattr(zero_utils, module_name)):
+        text = path.read_text()
+        describing_0_1 = {name for line in text.splitlines() if re.search(r"\b0\.1\b", line)
+                          for name in re.findall(r"\bzero_utils(?:\.[A-Za-z_]\w*)+", line)}
+        for name in sorted(set(re.findall(r"\bzero_utils(?:\.[A-Za-z_]\w*)+", text))):
+            top, *attributes = name.split(".")[1:]
+            if top in FOLDERS and shipped(top).is_dir() or (top.startswith("__") and hasattr(zero_utils, top)):
                 continue  # the shipped folders (packages of the installed wheel), the package's __version__, __file__
-            try:
-                obj = importlib.import_module(f"zero_utils.{module_name}")
-            except ModuleNotFoundError:
-                stale.append(f"{path.relative_to(REPO)}: {name}")
+            if top in zero_utils.MOVED:
+                if name not in describing_0_1 and path != REPO / "tests/test_install.py":  # a line that says "0.1"
+                    # may name 0.1's modules, and the test of what a recipe copied from 0.1 imports does
+                    stale.append(f"{path.relative_to(REPO)}: {name} (0.1's name)")
                 continue
-            for attribute in attributes:
-                if not hasattr(obj, attribute):
+            obj, parts = zero_utils, ["zero_utils"]
+            for part in [top, *attributes]:
+                parts.append(part)
+                try:  # an attribute, or a module of a folder
+                    obj = getattr(obj, part) if hasattr(obj, part) else importlib.import_module(".".join(parts))
+                except ModuleNotFoundError:
                     stale.append(f"{path.relative_to(REPO)}: {name}")
                     break
-                obj = getattr(obj, attribute)
     assert not stale, stale
 
 
@@ -272,17 +290,20 @@ def test_fast_tier_launches_each_engine_family_and_reaches_every_module():
     reached = set().union(*(zero_utils_imports(path) for path in entry_points))
     todo = list(reached)
     while todo:
-        for other in zero_utils_imports(REPO / "zero_utils" / f"{todo.pop()}.py") - reached:
+        module = REPO / "zero_utils" / todo.pop().replace(".", "/")
+        for other in zero_utils_imports(module / "__init__.py" if module.is_dir() else module.with_suffix(".py")) \
+                - reached:
             reached.add(other)
             todo.append(other)
-    modules = {path.stem for path in (REPO / "zero_utils").glob("*.py")} - {"__init__", "__main__"}  # entry points
+    modules = {f"{path.parent.name}.{path.stem}" for path in (REPO / "zero_utils").glob("*/*.py")
+               if not path.stem.startswith("__")}  # not the entry points (__main__) and folders' re-exports
     assert modules <= reached, f"no fast test reaches {sorted(modules - reached)}"
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_reads_as_components(recipe):
     """The recipe's shape as docs/ARCHITECTURE.md states it: a loop of at most 30 lines; no engine tested in it
-    (engine-specific steps live in zero_utils.parallelize); an incompatible checkpoint refused before the model is
+    (engine-specific steps live in zero_utils.model.parallelize); an incompatible checkpoint refused before the model is
     loaded; the fit check made before the data is prepared and the model built; the full recipe imports at most 11
     zero_utils modules (the LoRA one at most 3 more, on [LoRA] lines; the DPO one 4 more: its data, loss and
     reference, held or precomputed; the LoRA-DPO one at most 3 more than the DPO one, on [LoRA] lines)."""
@@ -305,11 +326,13 @@ def test_recipe_reads_as_components(recipe):
     base = MARKED.get(recipe, "recipes/llama_zero3.py")
     extra = zero_utils_imports(REPO / recipe) - zero_utils_imports(REPO / base)
     if recipe.endswith("llama_dpo.py"):
-        assert extra == {"preference_data", "preference_loss", "reference_model", "reference_logps"}, extra
+        assert extra == {"preference.data", "preference.loss", "preference.reference_model",
+                         "preference.reference_logps"}, extra
         return
     marked = [line for line in (REPO / recipe).read_text().splitlines() if line.startswith("from zero_utils")
               and "[LoRA]" in line]
-    assert all(any(re.search(rf"\b{name}\b", line) for line in marked) for name in extra), (extra, marked)
+    assert all(any(re.search(rf"\b{name.split('.')[-1]}\b", line) for line in marked) for name in extra), \
+        (extra, marked)
     assert len(extra) <= 3
 
 
@@ -342,7 +365,7 @@ def _cli_flags() -> set[str]:
     from accelerate.commands.launch import launch_command_parser
 
     flags = set()
-    for path in [*REPO.glob("zero_utils/*.py"), *REPO.glob("benchmarks/*.py"), *REPO.glob("tools/*.py")]:
+    for path in [*REPO.glob("zero_utils/**/*.py"), *REPO.glob("benchmarks/*.py"), *REPO.glob("tools/*.py")]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument":
                 flags |= {a.value for a in node.args if isinstance(a, ast.Constant) and str(a.value).startswith("--")}
@@ -350,7 +373,9 @@ def _cli_flags() -> set[str]:
         for name, field in settings.__dataclass_fields__.items():
             flags |= {f"--{name}"} | ({f"--no-{name}"} if field.type in (bool, "bool") else set())
     flags |= {"--config", "--help"}
-    from zero_utils import compare, memory, recipe_copy
+    from zero_utils.compare import runner as compare
+    from zero_utils.launch import recipe_copy
+    from zero_utils.memory import command as memory
 
     for parser in (launch_command_parser(), memory._parser(), compare._parser(), recipe_copy._parser()):
         flags |= {o for action in parser._actions for o in action.option_strings}  # flags made in loops too
@@ -400,9 +425,10 @@ def test_readme_commands_parse_their_flags(capsys):
     zero_utils...` command with its module's parser: in process, nothing runs."""
     from accelerate.commands.launch import launch_command_parser
 
-    from zero_utils import memory, recipe_copy
-    from zero_utils.cli import parse_settings
-    from zero_utils.compare import _parser as compare_parser
+    from zero_utils.compare.runner import _parser as compare_parser
+    from zero_utils.launch import recipe_copy
+    from zero_utils.launch.cli import parse_settings
+    from zero_utils.memory import command as memory
 
     settings = _recipe_settings()
     checked = []

@@ -9,9 +9,11 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from zero_utils import data, data_sources, packing, prepared_rows, sft_examples
-from zero_utils.errors import UserError
-from zero_utils.model import BUNDLED_MODEL
+from zero_utils.data import packing, prepared_rows, sft_examples
+from zero_utils.data import sources as data_sources
+from zero_utils.data import training as data
+from zero_utils.model.loading import BUNDLED_MODEL
+from zero_utils.run.errors import UserError
 
 pytestmark = pytest.mark.unit
 
@@ -189,7 +191,7 @@ def test_each_step_splits_the_global_batch_over_ranks_and_micro_steps_without_ov
     the model's keyword arguments and the global batch's answer-token count (every label here is an answer)."""
     import datasets
 
-    from zero_utils import attention
+    from zero_utils.data import attention
 
     table = {k: torch.arange(16).unsqueeze(1).repeat(1, 4).tolist() for k in ("input_ids", "labels", "position_ids")}
     rows = datasets.Dataset.from_dict({**table, "num_loss_tokens": [4] * 16}).with_format(

@@ -9,9 +9,9 @@ import runpy
 import pytest
 from conftest import REPO
 
-from zero_utils.cli import parse_settings
-from zero_utils.data_mixture import check_mixture, drawn_indices, mixture_in_file
-from zero_utils.errors import UserError
+from zero_utils.data.mixture import check_mixture, drawn_indices, mixture_in_file
+from zero_utils.launch.cli import parse_settings
+from zero_utils.run.errors import UserError
 
 pytestmark = pytest.mark.unit
 
@@ -130,9 +130,9 @@ def test_a_mixture_is_prepared_once_with_each_sources_draw_and_a_key_of_its_own(
 
     from transformers import AutoTokenizer
 
-    from zero_utils.data import BUNDLED_DATASET
-    from zero_utils.model import BUNDLED_MODEL
-    from zero_utils.prepared_mixture import prepare_mixture_rows
+    from zero_utils.data.prepared_mixture import prepare_mixture_rows
+    from zero_utils.data.training import BUNDLED_DATASET
+    from zero_utils.model.loading import BUNDLED_MODEL
 
     tokenizer = AutoTokenizer.from_pretrained(BUNDLED_MODEL)
     alpaca = write_alpaca(tmp_path / "alpaca.json", 400)
@@ -173,7 +173,7 @@ def test_a_mixture_trains_under_fsdp2_and_a_relaunch_reuses_its_rows(tmp_path):
     summary.json names both sources and their shares, the data line too; a relaunch reuses the rows (2 launches)."""
     from conftest import isolated_env, launch
 
-    from zero_utils.data import BUNDLED_DATASET
+    from zero_utils.data.training import BUNDLED_DATASET
 
     alpaca = write_alpaca(tmp_path / "alpaca.json", 400)
     mixture_file(tmp_path, "mix.yaml", [(BUNDLED_DATASET, 0.75, "train"), (str(alpaca), 0.25, "train")])
@@ -201,7 +201,7 @@ def test_the_dpo_recipe_trains_on_a_mixture_of_two_pair_files(tmp_path):
 
     from conftest import isolated_env, launch
 
-    from zero_utils.preference_data import BUNDLED_PREFERENCES
+    from zero_utils.preference.data import BUNDLED_PREFERENCES
 
     rows = [json.loads(line) for line in open(BUNDLED_PREFERENCES)][:300]
     (tmp_path / "renamed.jsonl").write_text("".join(json.dumps({"question": r["prompt"], "good": r["chosen"],
@@ -227,11 +227,11 @@ def test_a_source_the_recipe_cannot_train_is_one_sentence(tmp_path):
 
     from transformers import AutoTokenizer
 
-    from zero_utils.data import BUNDLED_DATASET
-    from zero_utils.model import BUNDLED_MODEL
-    from zero_utils.preference_data import BUNDLED_PREFERENCES
-    from zero_utils.prepared_mixture import prepare_mixture_rows
-    from zero_utils.prepared_pairs import prepare_pairs
+    from zero_utils.data.prepared_mixture import prepare_mixture_rows
+    from zero_utils.data.training import BUNDLED_DATASET
+    from zero_utils.model.loading import BUNDLED_MODEL
+    from zero_utils.preference.data import BUNDLED_PREFERENCES
+    from zero_utils.preference.prepared_pairs import prepare_pairs
 
     one = SimpleNamespace(is_main_process=True, num_processes=1)
     tokenizer = AutoTokenizer.from_pretrained(BUNDLED_MODEL)

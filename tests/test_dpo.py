@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from zero_utils.errors import UserError
-from zero_utils.preference_loss import answer_log_probs, objective_sum, pair_scores, resolve
+from zero_utils.preference.loss import answer_log_probs, objective_sum, pair_scores, resolve
+from zero_utils.run.errors import UserError
 
 # ---------------------------------------------------------------------------------------------- in process
 
@@ -80,14 +80,14 @@ def test_reference_and_beta_follow_the_loss():
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from zero_utils.model import BUNDLED_MODEL
+    from zero_utils.model.loading import BUNDLED_MODEL
 
     return AutoTokenizer.from_pretrained(BUNDLED_MODEL)
 
 
 def test_a_pair_is_two_sequences_with_loss_on_the_answers_only(tokenizer):
-    from zero_utils.preference_examples import tokenize_pair
-    from zero_utils.sft_examples import IGNORE_INDEX
+    from zero_utils.data.sft_examples import IGNORE_INDEX
+    from zero_utils.preference.examples import tokenize_pair
 
     pair = tokenize_pair(tokenizer, "Spell the word tiger.", "t-i-g-e-r", "tiger", 128)
     for side, answer in (("chosen", "t-i-g-e-r"), ("rejected", "tiger")):
@@ -99,8 +99,8 @@ def test_a_pair_is_two_sequences_with_loss_on_the_answers_only(tokenizer):
 
 
 def test_truncation_keeps_the_first_seq_len_tokens_and_drops_pairs_without_an_answer(tokenizer):
-    from zero_utils.preference_examples import tokenize_pair
-    from zero_utils.sft_examples import IGNORE_INDEX
+    from zero_utils.data.sft_examples import IGNORE_INDEX
+    from zero_utils.preference.examples import tokenize_pair
 
     whole = tokenize_pair(tokenizer, "Spell the word tiger.", "t-i-g-e-r " * 10, "tiger", 128)
     prompt_tokens = whole["chosen_labels"].index(next(x for x in whole["chosen_labels"] if x != IGNORE_INDEX))
@@ -121,9 +121,9 @@ def unpadded(row: torch.Tensor, pad_token_id: int) -> list[int]:
 def test_a_pairs_answers_share_a_micro_batch_chosen_rows_first(tokenizer):
     from datasets import Dataset
 
-    from zero_utils.preference_data import PreferenceData
-    from zero_utils.preference_examples import tokenize_pair
-    from zero_utils.sft_examples import IGNORE_INDEX
+    from zero_utils.data.sft_examples import IGNORE_INDEX
+    from zero_utils.preference.data import PreferenceData
+    from zero_utils.preference.examples import tokenize_pair
 
     raw = [("Spell the word tiger.", "t-i-g-e-r", "tiger"), ("Write the number 7 in words.", "seven", "7"),
            ("What color is snow?", "Snow is white.", "Snow is black."), ("Add 2 and 3.", "2 plus 3 is 5.", "23")]
@@ -150,14 +150,14 @@ def test_a_pairs_answers_share_a_micro_batch_chosen_rows_first(tokenizer):
 def test_precomputed_log_probs_reach_each_micro_batch_by_pair_and_average_as_the_loss_does(tokenizer):
     """In a process, 2 ranks' views of 5 pairs with precomputed log-probs (pair i: chosen -i, rejected -10 - i): every
     micro-batch of a step, of eval and of the strided pass carries its own pairs' values, chosen rows first; the
-    averaged form (ipo) is the stored sum over each row's answer tokens, as preference_loss.answer_log_probs takes
+    averaged form (ipo) is the stored sum over each row's answer tokens, as loss.answer_log_probs takes
     the mean of token log-probs."""
     from datasets import Dataset
 
-    from zero_utils.preference_data import PreferenceData
-    from zero_utils.preference_examples import tokenize_pair
-    from zero_utils.reference_logps import PrecomputedReference
-    from zero_utils.sft_examples import IGNORE_INDEX
+    from zero_utils.data.sft_examples import IGNORE_INDEX
+    from zero_utils.preference.data import PreferenceData
+    from zero_utils.preference.examples import tokenize_pair
+    from zero_utils.preference.reference_logps import PrecomputedReference
 
     raw = [("Spell the word tiger.", "t-i-g-e-r", "tiger"), ("Write the number 7 in words.", "seven", "7"),
            ("What color is snow?", "Snow is white.", "Snow is black."), ("Add 2 and 3.", "2 plus 3 is 5.", "23"),
@@ -190,7 +190,7 @@ def test_precomputed_log_probs_reach_each_micro_batch_by_pair_and_average_as_the
 
 
 def test_a_set_without_pair_columns_names_the_ones_it_has():
-    from zero_utils.preference_examples import pair_layout, parse_pair_columns
+    from zero_utils.preference.examples import pair_layout, parse_pair_columns
 
     with pytest.raises(UserError, match=r"has columns \['messages'\] but a preference set needs prompt, chosen and "
                                         r"rejected \(missing: prompt, chosen, rejected;"):
@@ -212,7 +212,7 @@ def assistant(text):
 def test_the_prompt_of_conversational_pairs_by_hand():
     """UltraFeedback-binarized (a prompt string, both lists starting with it), Anthropic HH (no prompt: the shared
     leading turns), a prompt given as messages with bare answers, and plain strings."""
-    from zero_utils.preference_examples import pair_layout, split_pair
+    from zero_utils.preference.examples import pair_layout, split_pair
 
     ultrafeedback = {"prompt": "What is 2+2?", "chosen": [user("What is 2+2?"), assistant("4")],
                      "rejected": [user("What is 2+2?"), assistant("5")], "score_chosen": 9.0, "score_rejected": 2.0}
@@ -232,8 +232,8 @@ def test_the_prompt_of_conversational_pairs_by_hand():
 
 
 def test_a_conversational_pair_trains_only_its_final_answer(tokenizer):
-    from zero_utils.preference_examples import tokenize_pair
-    from zero_utils.sft_examples import IGNORE_INDEX
+    from zero_utils.data.sft_examples import IGNORE_INDEX
+    from zero_utils.preference.examples import tokenize_pair
 
     chosen = [user("Hi"), assistant("Hello!"), user("Capital of France?"), assistant("Paris.")]
     rejected = chosen[:3] + [assistant("Lyon.")]
@@ -325,7 +325,7 @@ def test_the_losses_are_those_of_the_in_memory_pairs_before(prepared_twice):
 def bundled_params() -> int:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from zero_utils.model import BUNDLED_MODEL
+    from zero_utils.model.loading import BUNDLED_MODEL
 
     return sum(p.numel() for p in AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(BUNDLED_MODEL))
                .parameters())
@@ -399,7 +399,7 @@ def test_fsdp2_gathers_at_most_two_reference_units_at_once(dpo_run, config):
     module's forward is at most two of its largest units (the 1024 x 128 embedding or head), not the model."""
     from transformers import AutoConfig
 
-    from zero_utils.model import BUNDLED_MODEL
+    from zero_utils.model.loading import BUNDLED_MODEL
 
     config_ = AutoConfig.from_pretrained(BUNDLED_MODEL)
     largest_unit = config_.vocab_size * config_.hidden_size + config_.hidden_size  # the head with the final norm
@@ -515,7 +515,7 @@ def test_the_default_run_learns_to_prefer_the_chosen_answers(runs):
 def test_a_set_without_pairs_and_a_loss_without_its_reference_are_one_sentence(runs):
     from test_bad_input import assert_one_sentence
 
-    from zero_utils.data import BUNDLED_DATASET
+    from zero_utils.data.training import BUNDLED_DATASET
 
     sft = runs("dpo-bad-columns", *FOUR_STEPS, "--dataset", BUNDLED_DATASET, recipe=DPO, config="ddp", timeout=180)
     assert_one_sentence(sft, "has columns ['messages'] but a preference set needs prompt, chosen and rejected")
@@ -533,7 +533,7 @@ def ultrafeedback_like(path):
 
     import datasets
 
-    from zero_utils.preference_data import BUNDLED_PREFERENCES
+    from zero_utils.preference.data import BUNDLED_PREFERENCES
 
     rows = [json.loads(line) for line in open(BUNDLED_PREFERENCES)]
     datasets.Dataset.from_list([{
@@ -546,7 +546,7 @@ def ultrafeedback_like(path):
 def greedy(model_dir, prompts):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from zero_utils.sft_examples import render_prompt
+    from zero_utils.data.sft_examples import render_prompt
 
     tokenizer, model = AutoTokenizer.from_pretrained(model_dir), AutoModelForCausalLM.from_pretrained(model_dir)
     answers = []
@@ -602,7 +602,7 @@ def test_a_resume_with_another_model_is_refused(runs, flow):
     _, dpo, data = flow
     from test_bad_input import assert_one_sentence
 
-    from zero_utils.model import BUNDLED_MODEL
+    from zero_utils.model.loading import BUNDLED_MODEL
 
     run = runs("flow-dpo-resume-other-model", "--resume", str(dpo.output_dir / "checkpoints" / "step_150"),
                "--dataset", str(data), "--report_to", "none", recipe=DPO, config="fsdp2", timeout=180)

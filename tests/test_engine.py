@@ -1,4 +1,4 @@
-"""zero_utils.engine: the typed engine every module asks instead of matching name prefixes, and the checkpoint
+"""zero_utils.run.engine: the typed engine every module asks instead of matching name prefixes, and the checkpoint
 policy's settings check. The engine each launch really builds is checked end to end by tests/test_engines.py
 (`summary["engine"]` for every shipped YAML); here the table itself, written out by hand."""
 
@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from zero_utils import checkpoint, checkpoint_storage
-from zero_utils.engine import Engine
+from zero_utils.checkpoint import policy as checkpoint
+from zero_utils.checkpoint import storage as checkpoint_storage
+from zero_utils.run.engine import Engine
 
 pytestmark = pytest.mark.unit
 
@@ -43,7 +44,7 @@ def test_hsdp_and_unknown_names():
 
 
 def test_a_resume_from_another_model_is_refused(tmp_path):
-    from zero_utils.errors import UserError
+    from zero_utils.run.errors import UserError
 
     saved = {"model": "runs/llama_zero3/final", "revision": ""}
     checkpoint.refuse_another_model(saved, dict(saved))

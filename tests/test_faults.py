@@ -11,8 +11,8 @@ import time
 import pytest
 from conftest import REPO, free_port, isolated_env, launch
 
-from zero_utils import checkpoint_storage
-from zero_utils.launcher import accelerate_launch_command, config_file
+from zero_utils.checkpoint import storage as checkpoint_storage
+from zero_utils.launch.launcher import accelerate_launch_command, config_file
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 LONG_RUN = ("--max_steps", "100000", "--seq_len", "64", "--per_device_batch_size", "2", "--report_to", "none",
@@ -102,7 +102,7 @@ def test_a_rank_killed_fails_the_job_and_resume_auto_continues(tmp_path):
 
 def test_torchrun_max_restarts_restarts_in_place_and_resumes(tmp_path):
     """`accelerate launch --max_restarts 1 ... --resume auto`: a rank killed with SIGKILL makes torchrun restart
-    every worker in place; they join a fresh process group (zero_utils.accelerator, per-attempt rendezvous keys),
+    every worker in place; they join a fresh process group (zero_utils.run.accelerator, per-attempt rendezvous keys),
     resume from the newest complete checkpoint and finish the run, and the job exits 0."""
     out = tmp_path / "run"
     proc = start(out, extra=("--max_steps", "40", "--save_every", "2", "--resume", "auto", "--seq_len", "256",

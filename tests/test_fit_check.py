@@ -1,4 +1,4 @@
-"""The fit check (zero_utils.fit_check, its verdict in zero_utils.memory_estimate.fit_verdict): in process, the
+"""The fit check (zero_utils.memory.fit_check, its verdict in zero_utils.memory.estimate.fit_verdict): in process, the
 verdict and its advice on an 8B Llama-shaped model, every expected byte computed here by hand from the formulas
 the docs state (the ZeRO paper's 16 bytes/param, docs/MEMORY.md's per-engine table, Korthikanti et al.'s
 activations); launched, a run that does not fit stops on every rank before the model is built."""
@@ -11,10 +11,10 @@ import re
 import pytest
 from conftest import LOSS_CHUNK
 
-from zero_utils import memory
-from zero_utils.engine import Engine
-from zero_utils.memory_estimate import Setup, fit_verdict
-from zero_utils.memory_formulas import architecture_from_sizes, model_state_bytes
+from zero_utils.formulas.memory import architecture_from_sizes, model_state_bytes
+from zero_utils.memory import command as memory
+from zero_utils.memory.estimate import Setup, fit_verdict
+from zero_utils.run.engine import Engine
 
 # An 8B Llama-3-shaped model: h 4096, 32 layers, vocab 128256, gated MLP of 14336, untied embeddings.
 PSI, H, L, V, FFN = 8_000_000_000, 4096, 32, 128_256, 14_336
@@ -31,8 +31,8 @@ ZERO3_TRANSIENT = 2 * (1_000_000_000 + int(0.9 * H * H) + (2 * L + 1) * H) + 4 *
 # persistent norms (bf16) and the fp32 reduce bucket
 UNIT = V * H  # FSDP2's largest unit: the input embedding (a block is (PSI - 2 V h) / L = 217M)
 FSDP2_TRANSIENT = 2 * ((V * H + H) + 2 * UNIT) + 2 * UNIT  # head group gathered + 2 units + one unit's gradient
-# What real shapes add (zero_utils.peak_terms; ARCH has no GQA, so no K/V is repeated): packed rows under sdpa, the
-# bool (1, 1, s, s) block mask and its bf16 copy in each of the L layers; the loss backward's 12 bytes per token and
+# What real shapes add (zero_utils.formulas.peak_terms; ARCH has no GQA, so no K/V is repeated): packed rows under sdpa,
+# the bool (1, 1, s, s) block mask and its bf16 copy in each of the L layers; the loss backward's 12 bytes per token and
 # vocabulary entry less the 2 + 4 the activations count, for one 1024-token chunk. FSDP2 adds the fp32
 # reduce-scatter input of its largest unit.
 SHAPES = S * S * (1 + 2 * L) + (12 - (2 + 4)) * 1024 * V
@@ -142,8 +142,8 @@ def test_the_cli_takes_device_memory_and_keeps_gpu_memory(capsys):
 
 @pytest.mark.parametrize("text", ["80", "lots"])
 def test_a_bad_device_memory_is_one_sentence(text):
-    from zero_utils.errors import UserError
-    from zero_utils.fit_check import device_capacity
+    from zero_utils.memory.fit_check import device_capacity
+    from zero_utils.run.errors import UserError
 
     with pytest.raises(UserError, match=f"--device_memory '{text}' is not a memory size"):
         device_capacity(__import__("torch").device("cpu"), 1, text)
@@ -212,8 +212,8 @@ class OneProcess:
 
 
 def check_bundled(**kwargs):
-    from zero_utils.fit_check import check_fit
-    from zero_utils.model import BUNDLED_MODEL, load_config
+    from zero_utils.memory.fit_check import check_fit
+    from zero_utils.model.loading import BUNDLED_MODEL, load_config
 
     accelerator = OneProcess()
     check = check_fit(accelerator, Engine.parse("single"), load_config(BUNDLED_MODEL), seq_len=64, micro_batch_size=4,
@@ -222,7 +222,7 @@ def check_bundled(**kwargs):
 
 
 def test_check_fit_refuses_warns_or_is_skipped_in_process():
-    from zero_utils.errors import UserError
+    from zero_utils.run.errors import UserError
 
     check, printed = check_bundled(device_memory="1TB")
     need = check.verdict.total_bytes
@@ -264,7 +264,7 @@ def test_the_reference_model_adds_its_formula_and_the_dpo_fit_check_counts_it(ca
     assert " + reference 3.85 MB + " in printed[0]
     between = str(round((plain.verdict.total_bytes + replica / 2) / 0.9))
     assert check_bundled(device_memory=between)[0].verdict.status != "too_big"
-    from zero_utils.errors import UserError
+    from zero_utils.run.errors import UserError
 
     with pytest.raises(UserError, match="this run needs an estimated"):
         check_bundled(device_memory=between, reference="model")

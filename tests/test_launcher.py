@@ -1,4 +1,4 @@
-"""zero_utils.launcher, the one builder of `accelerate launch` lines (tests, benchmarks, compare), and
+"""zero_utils.launch.launcher, the one builder of `accelerate launch` lines (tests, benchmarks, compare), and
 benchmarks/run.py, which parses its flags in main(), not at import. The expected lines are written out by hand."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 import pytest
 from conftest import REPO
 
-from zero_utils.launcher import accelerate_launch_command, config_file, shown_command
+from zero_utils.launch.launcher import accelerate_launch_command, config_file, shown_command
 
 pytestmark = pytest.mark.unit
 

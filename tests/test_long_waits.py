@@ -14,9 +14,9 @@ from types import SimpleNamespace
 import pytest
 from conftest import assert_one_host_sync, free_port, isolated_env, sync_probe
 
-from zero_utils import distributed
-from zero_utils.checkpoint import JOB_TOKEN_FILE, sees_job_token
-from zero_utils.errors import UserError
+from zero_utils.checkpoint.policy import JOB_TOKEN_FILE, sees_job_token
+from zero_utils.run import distributed
+from zero_utils.run.errors import UserError
 
 PREP_S, EXPORT_S, TIMEOUT_S = 15, 12, 10  # each wait outlasts the timeout
 ARGS = ("--max_steps", "4", "--per_device_batch_size", "2", "--seq_len", "128", "--eval_fraction", "0",

@@ -31,7 +31,7 @@ def test_lora_trains_only_adapters_and_reloads_to_the_same_logits(runs, base_mod
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from zero_utils import sft_examples
+    from zero_utils.data import sft_examples
 
     run = lora_run(runs, base_model, engine)
     summary = run.summary()
@@ -91,7 +91,7 @@ def test_lora_fit_check_trains_only_the_adapters_in_its_estimate(runs, base_mode
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from zero_utils import memory
+    from zero_utils.memory import command as memory
 
     summary = lora_run(runs, base_model, "fsdp2").summary()
     base = AutoModelForCausalLM.from_pretrained(base_model)

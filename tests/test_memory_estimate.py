@@ -13,11 +13,12 @@ import pytest
 import torch
 from conftest import REPO
 
-from zero_utils import measurement, memory
-from zero_utils import memory_estimate as estimator
-from zero_utils import memory_formulas as formulas
-from zero_utils.engine import Engine
-from zero_utils.errors import UserError
+from zero_utils.formulas import memory as formulas
+from zero_utils.memory import command as memory
+from zero_utils.memory import estimate as estimator
+from zero_utils.run.engine import Engine
+from zero_utils.run.errors import UserError
+from zero_utils.train import measurement
 
 pytestmark = pytest.mark.unit
 
@@ -342,13 +343,13 @@ def test_cli_error_exits_2():
 
 
 def test_deepspeed_buckets_follow_the_hidden_size_with_a_floor_and_keep_a_users_setting():
-    """What zero_utils.deepspeed_setup writes into DeepSpeed's config before `prepare` (the estimator uses the same
-    sizes):
+    """What zero_utils.model.deepspeed_setup writes into DeepSpeed's config before `prepare` (the estimator uses the
+    same sizes):
     accelerate's "auto" sizes from hidden 2560 up, the 25 MiB floor below, and a size the user's own DeepSpeed
     config file sets is left alone."""
     from types import SimpleNamespace
 
-    from zero_utils import deepspeed_setup
+    from zero_utils.model import deepspeed_setup
 
     floor = 25 * 2**20 // 4
     assert formulas.deepspeed_bucket_elements(4096) == {
@@ -399,7 +400,7 @@ def test_gpu_peaks_are_allocated_and_reserved_since_the_reset(monkeypatch):
 def test_summary_table_shows_the_ranks_when_they_differ_by_more_than_5_percent():
     """summary.json keeps each rank's figures; the table a person reads names the smallest and largest rank only
     when they differ by more than 5% (here 10%: 100 vs 110 MB), and stays one number when they do not (3%)."""
-    from zero_utils import tracking
+    from zero_utils.train import tracking
 
     base = {"engine": "fsdp2", "world_size": 2, "steps": 4, "final_loss": 1.0, "eval_loss": None,
             "tokens_per_s": 1000.0, "peak_reserved_bytes": None, "model_state_bytes_expected": 7_690_000}

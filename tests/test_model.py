@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from zero_utils.errors import UserError
-from zero_utils.model import BUNDLED_MODEL, load_causal_lm
+from zero_utils.model.loading import BUNDLED_MODEL, load_causal_lm
+from zero_utils.run.errors import UserError
 
 pytestmark = pytest.mark.unit
 
@@ -55,7 +55,7 @@ def test_unquantized_non_main_rank_still_waits_for_rank_0_on_meta(saved_model):
 
 
 def test_qlora_needs_a_cuda_gpu_and_is_off_by_default(monkeypatch):
-    from zero_utils.qlora import quantization_config
+    from zero_utils.model.qlora import quantization_config
 
     assert quantization_config(False) is None
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -76,7 +76,7 @@ def test_parameters_transformers_converts_on_load_are_named_not_skipped(tmp_path
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM, MixtralConfig
 
-    from zero_utils.deepspeed_setup import _safetensors_files, unmatched_trainable
+    from zero_utils.model.deepspeed_setup import _safetensors_files, unmatched_trainable
 
     config = MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                            num_attention_heads=2, num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2)
@@ -99,7 +99,7 @@ def test_converted_parameters_are_rebuilt_as_transformers_loads_them(tmp_path):
     `from_pretrained(dtype=float32)` holds."""
     from transformers import AutoModelForCausalLM, MixtralConfig
 
-    from zero_utils.deepspeed_setup import _safetensors_files, converted_tensors, unmatched_trainable
+    from zero_utils.model.deepspeed_setup import _safetensors_files, converted_tensors, unmatched_trainable
 
     config = MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                            num_attention_heads=2, num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2)

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from conftest import EIGHT_STEPS, HARNESS, REPO, Run, free_port, isolated_env
 
-from zero_utils.checkpoint import JOB_TOKEN_FILE
-from zero_utils.launcher import accelerate_launch_command, config_file
+from zero_utils.checkpoint.policy import JOB_TOKEN_FILE
+from zero_utils.launch.launcher import accelerate_launch_command, config_file
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

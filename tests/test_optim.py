@@ -1,5 +1,5 @@
-"""zero_utils.optim through the recipes' flags: --adam_beta1, --adam_beta2, --adam_eps and --min_lr_ratio reach the
-optimizer and the schedule of every recipe, keep their defaults, are refused out of range in one sentence, and a
+"""zero_utils.train.optim through the recipes' flags: --adam_beta1, --adam_beta2, --adam_eps and --min_lr_ratio reach
+the optimizer and the schedule of every recipe, keep their defaults, are refused out of range in one sentence, and a
 resume names a changed value as it names any run setting. In a process, against values written out by hand."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import torch
 from accelerate import DistributedType
 from conftest import REPO
 
-from zero_utils import checkpoint
-from zero_utils.cli import parse_settings
-from zero_utils.optim import build_adamw, lr_at
+from zero_utils.checkpoint import policy as checkpoint
+from zero_utils.launch.cli import parse_settings
+from zero_utils.train.optim import build_adamw, lr_at
 
 pytestmark = pytest.mark.unit
 RECIPES = sorted(f"recipes/{path.name}" for path in (REPO / "recipes").glob("*.py"))
@@ -92,7 +92,7 @@ def _model_with_gradients(tensors: int, seed: int = 0) -> torch.nn.Module:
 def test_clipping_matches_fsum_in_fp64_and_scales_as_deepspeed_does():
     """One process: the norm is sqrt(math.fsum of the fp64 squares) of every gradient element, and each gradient is
     multiplied by DeepSpeed's factor 1 / max(1, (norm + 1e-6) / max_norm)."""
-    from zero_utils.optim import clip_gradients
+    from zero_utils.train.optim import clip_gradients
 
     model = _model_with_gradients(6)
     before = [p.grad.clone() for p in model]
@@ -109,7 +109,7 @@ def test_clipping_dispatches_as_many_ops_for_ten_times_the_tensors():
     for 4 and 40 gradient tensors: foreach norms and multiplies, not one op per gradient (580 at 8B before)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from zero_utils.optim import clip_gradients
+    from zero_utils.train.optim import clip_gradients
 
     class Count(TorchDispatchMode):
         def __init__(self):
@@ -139,7 +139,7 @@ def test_clipping_on_two_ranks_matches_fsum_of_the_whole_gradients(tmp_path, con
     the replicas: tests/test_multinode.py's HSDP run logs the 4-rank run's grad_norm at every step."""
     from conftest import isolated_env
 
-    from zero_utils.launcher import accelerate_launch_command, config_file, free_port
+    from zero_utils.launch.launcher import accelerate_launch_command, config_file, free_port
 
     out = tmp_path / "clip.json"
     cmd = accelerate_launch_command(REPO / "tests/scripts/clip_probe.py", [str(out)], config_file=config_file(config),
@@ -157,8 +157,8 @@ def test_offload_configs_give_each_process_its_cores(monkeypatch):
     processes under the launcher's OMP_NUM_THREADS=1 give 8 threads each (on this 2-core machine with 2 processes
     the answer, 1, would equal the launcher's and prove nothing); a user's OMP_NUM_THREADS, an engine that steps on
     the device and one core per process change nothing."""
-    from zero_utils.accelerator import use_cores_for_host_steps
-    from zero_utils.engine import Engine
+    from zero_utils.run.accelerator import use_cores_for_host_steps
+    from zero_utils.run.engine import Engine
 
     before = torch.get_num_threads()
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)))

@@ -1,6 +1,6 @@
-"""The terms real shapes add to the estimate (zero_utils.peak_terms), in process: each by hand at an 8B Llama-3 shape;
-the block mask and repeated K/V against what autograd saves for a packed micro-batch beyond an unpacked one (sdpa);
-the loss backward against the bytes live during a chunked loss's backward; the CUDA capacity rule on a mocked
+"""The terms real shapes add to the estimate (zero_utils.formulas.peak_terms), in process: each by hand at an 8B Llama-3
+shape; the block mask and repeated K/V against what autograd saves for a packed micro-batch beyond an unpacked one
+(sdpa); the loss backward against the bytes live during a chunked loss's backward; the CUDA capacity rule on a mocked
 `mem_get_info`; and the fit check's line and summary naming each term."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from zero_utils.engine import Engine
-from zero_utils.measurement import count_saved_activations
-from zero_utils.memory_formulas import architecture_from_sizes
-from zero_utils.peak_terms import LOSS_BACKWARD_BYTES, peak_terms
-from zero_utils.token_loss import chunked_cross_entropy
+from zero_utils.formulas.memory import architecture_from_sizes
+from zero_utils.formulas.peak_terms import LOSS_BACKWARD_BYTES, peak_terms
+from zero_utils.run.engine import Engine
+from zero_utils.train.measurement import count_saved_activations
+from zero_utils.train.token_loss import chunked_cross_entropy
 
 pytestmark = pytest.mark.unit
 
@@ -115,7 +115,7 @@ class LiveBytes(TorchDispatchMode):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_loss_backward_term_is_what_a_chunks_backward_holds(dtype):
-    """The chunked loss's backward (zero_utils.token_loss) over 1024 tokens of an 8000-word head, with 128- and
+    """The chunked loss's backward (zero_utils.train.token_loss) over 1024 tokens of an 8000-word head, with 128- and
     256-token chunks: the peak of the bytes live in the backward grows with the chunk by the estimate's logits
     (e + 4 bytes per token and vocabulary entry) plus the loss-backward term, within 20%."""
     torch.manual_seed(0)
@@ -145,7 +145,7 @@ def test_the_loss_backward_term_is_what_a_chunks_backward_holds(dtype):
 def test_on_cuda_the_capacity_is_what_this_process_can_have(monkeypatch):
     """min(total, free + reserved by this process): another process's 30 GB are not free; this process's own 6 GB
     held by its allocator are; never more than the device."""
-    from zero_utils import fit_check
+    from zero_utils.memory import fit_check
 
     gib = 2**30
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100")

@@ -10,7 +10,7 @@ import pytest
 import torch
 from accelerate import DistributedType
 
-from zero_utils.optim import clip_gradients
+from zero_utils.train.optim import clip_gradients
 
 
 def _model_with_gradients(seed: int = 0) -> tuple[torch.nn.ParameterList, list[torch.Tensor]]:

@@ -17,11 +17,11 @@ import pytest
 from conftest import REPO
 from transformers import AutoTokenizer
 
-from zero_utils.data_sources import DataSource, choose_splits, load_raw_dataset
-from zero_utils.model import BUNDLED_MODEL
-from zero_utils.preference_data import BUNDLED_PREFERENCES
-from zero_utils.preference_examples import PAIR_COLUMNS, pair_layout, tokenize_pair
-from zero_utils.prepared_pairs import prepare_pairs
+from zero_utils.data.sources import DataSource, choose_splits, load_raw_dataset
+from zero_utils.model.loading import BUNDLED_MODEL
+from zero_utils.preference.data import BUNDLED_PREFERENCES
+from zero_utils.preference.examples import PAIR_COLUMNS, pair_layout, tokenize_pair
+from zero_utils.preference.prepared_pairs import prepare_pairs
 
 pytestmark = pytest.mark.unit
 
@@ -143,9 +143,9 @@ sys.path.insert(0, {scripts!r})
 from types import SimpleNamespace
 from transformers import AutoTokenizer
 from harness import _RssAnonPeak
-from zero_utils.model import BUNDLED_MODEL
-from zero_utils.prepared_pairs import prepare_pairs
-from zero_utils.data_sources import DataSource, load_raw_dataset
+from zero_utils.model.loading import BUNDLED_MODEL
+from zero_utils.preference.prepared_pairs import prepare_pairs
+from zero_utils.data.sources import DataSource, load_raw_dataset
 tokenizer = AutoTokenizer.from_pretrained(BUNDLED_MODEL)
 load_raw_dataset(DataSource({data!r}))  # datasets' own JSON -> Arrow conversion (10 MB blocks), done before
 with _RssAnonPeak() as probe:

@@ -16,9 +16,11 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from zero_utils import data, data_sources, packing, prepared_rows, sft_examples
-from zero_utils.errors import UserError
-from zero_utils.model import BUNDLED_MODEL
+from zero_utils.data import packing, prepared_rows, sft_examples
+from zero_utils.data import sources as data_sources
+from zero_utils.data import training as data
+from zero_utils.model.loading import BUNDLED_MODEL
+from zero_utils.run.errors import UserError
 
 pytestmark = pytest.mark.unit
 
@@ -28,7 +30,8 @@ IGNORE = -100
 
 # ---------------------------------------------------------------- frozen references (the code before, unchanged)
 def reference_pack_examples(examples, seq_len, pad_token_id):
-    """`pack_examples` of zero_utils/data.py as of commit 01486b0 (one batch of Python lists): the reference."""
+    """`pack_examples` of zero_utils/data/training.py as of commit 01486b0 (one batch of Python lists): the
+    reference."""
     rows, cur_ids, cur_labels, cur_pos, truncated = [], [], [], [], 0
 
     def flush():
@@ -58,7 +61,7 @@ def reference_pack_examples(examples, seq_len, pad_token_id):
 
 
 def reference_global_batch_indices(num_rows, global_batch_size, step, seed):
-    """`global_batch_indices` of zero_utils/data.py as of commit 01486b0 (a permutation drawn every step)."""
+    """`global_batch_indices` of zero_utils/data/training.py as of commit 01486b0 (a permutation drawn every step)."""
     batches_per_epoch = num_rows // global_batch_size
     epoch, batch_in_epoch = divmod(step - 1, batches_per_epoch)
     order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))

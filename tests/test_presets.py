@@ -1,6 +1,6 @@
-"""`--config run.yaml` (zero_utils.cli) and the presets/ for real models: every preset parses through its recipe's
-real flags, command-line flags override the file, and a bad file stops with one sentence that names the problem.
-In process: nothing is launched or downloaded."""
+"""`--config run.yaml` (zero_utils.launch.cli) and the presets/ for real models: every preset parses through its
+recipe's real flags, command-line flags override the file, and a bad file stops with one sentence that names the
+problem. In process: nothing is launched or downloaded."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 import yaml
 from conftest import REPO
 
-from zero_utils.cli import ENGINE_KEYS, parse_settings
-from zero_utils.errors import UserError
+from zero_utils.launch.cli import ENGINE_KEYS, parse_settings
+from zero_utils.run.errors import UserError
 
 pytestmark = pytest.mark.unit
 PRESETS = sorted((REPO / "presets").glob("*.yaml"))
@@ -77,7 +77,7 @@ def test_a_preset_holds_the_values_of_its_source(monkeypatch):
 def test_the_dpo_preset_holds_alignment_handbooks_zephyr_values(monkeypatch):
     """Copied by hand from alignment-handbook's recipes/zephyr-7b-beta/dpo/config_full.yaml at 19f0345 and the
     transformers TrainingArguments defaults it leaves (adamw_torch: betas (0.9, 0.999), eps 1e-8, weight decay 0)."""
-    from zero_utils.data_mixture import mixture_in_file
+    from zero_utils.data.mixture import mixture_in_file
 
     monkeypatch.chdir(REPO)
     dpo = parse_settings(settings_class("recipes/llama_dpo.py"), ["--config", "presets/zephyr-7b-dpo-full.yaml"])

@@ -112,7 +112,8 @@ def test_one_process_trains_as_a_plain_pytorch_loop(fine_tune, pretrained, tmp_p
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from zero_utils import data, prepared_rows  # only to read the same packed rows, in the same order
+    from zero_utils.data import prepared_rows  # only to read the same packed rows, in the same order
+    from zero_utils.data import training as data
 
     tokenizer = AutoTokenizer.from_pretrained(pretrained)
     rows, _, _ = prepared_rows.prepare_rows(SimpleNamespace(is_main_process=True, num_processes=1), tokenizer,

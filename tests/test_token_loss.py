@@ -1,4 +1,4 @@
-"""The chunked output head and loss in process (zero_utils.token_loss): equal to the whole logits' cross-entropy,
+"""The chunked output head and loss in process (zero_utils.train.token_loss): equal to the whole logits' cross-entropy,
 in value and gradient, with tied and untied heads; a model whose logits are not its head's output (Gemma 2's
 soft-capping) takes the unchunked path with one line. The engines' launches:
 tests/test_zero_math.py, tests/test_wrapping.py and tests/test_lora.py (test_*chunked*)."""
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig
 
-from zero_utils.token_loss import TokenLosses, logits_are_head_output
+from zero_utils.train.token_loss import TokenLosses, logits_are_head_output
 
 IGNORE = -100
 ROWS, SEQ = 2, 33  # 66 tokens: chunks of 40 leave a remainder

@@ -1,7 +1,7 @@
-"""`python -m zero_utils list | copy NAME DEST`: the `zero-recipes` command (zero_utils.recipe_copy)."""
+"""`python -m zero_utils list | copy NAME DEST`: the `zero-recipes` command (zero_utils.launch.recipe_copy)."""
 
 import sys
 
-from zero_utils.recipe_copy import main
+from zero_utils.launch.recipe_copy import main
 
 sys.exit(main())

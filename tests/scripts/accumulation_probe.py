@@ -11,7 +11,7 @@ ended: before the step's update under DDP and FSDP2), it records, walking FSDP2'
     partial_reduce_outputs                   param groups holding an HSDP partial sum (`_partial_reduce_output`:
                                              the all-reduce across replicas was skipped)
     groups_with_sharded_grads                param groups whose sharded parameters have a `.grad`
-    model_state_bytes                        `zero_utils.measurement.measure_model_state_bytes` at that moment
+    model_state_bytes                        `zero_utils.train.measurement.measure_model_state_bytes` at that moment
 `result()` is what the harness adds to summary.json as "accumulation_probe_per_rank".
 """
 
@@ -30,7 +30,7 @@ def start_step() -> None:
 def after_micro_batch(model, optimizer) -> None:
     from torch.distributed.fsdp import FSDPModule
 
-    from zero_utils.measurement import measure_model_state_bytes
+    from zero_utils.train.measurement import measure_model_state_bytes
 
     _state["micro_batch"] += 1
     if _state["step"] > MEASURED_STEPS:

@@ -1,4 +1,4 @@
-"""`accelerate launch ... tests/scripts/clip_probe.py OUT.json`: zero_utils.optim.clip_gradients on the engine the
+"""`accelerate launch ... tests/scripts/clip_probe.py OUT.json`: zero_utils.train.optim.clip_gradients on the engine the
 YAML names, against math.fsum. The bundled tiny Llama, parallelized and prepared as the recipes do, one forward and
 backward of a different batch on each rank (the engine reduces the gradients); then every gradient is gathered whole
 (`distributed.gathered`), its fp64 squares summed with `math.fsum` (the reference norm), and `clip_gradients` runs at a
@@ -17,11 +17,11 @@ import torch
 def main(out: str) -> None:
     from accelerate.utils import set_seed
 
-    from zero_utils.accelerator import build_accelerator
-    from zero_utils.distributed import gathered
-    from zero_utils.model import BUNDLED_MODEL, load_causal_lm
-    from zero_utils.optim import build_adamw, clip_gradients
-    from zero_utils.parallelize import FSDPWrapping, after_prepare, parallelize
+    from zero_utils.model.loading import BUNDLED_MODEL, load_causal_lm
+    from zero_utils.model.parallelize import FSDPWrapping, after_prepare, parallelize
+    from zero_utils.run.accelerator import build_accelerator
+    from zero_utils.run.distributed import gathered
+    from zero_utils.train.optim import build_adamw, clip_gradients
 
     accelerator, engine = build_accelerator(per_device_batch_size=1, gradient_accumulation_steps=1, max_grad_norm=1.0)
     set_seed(0)

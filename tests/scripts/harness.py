@@ -4,12 +4,12 @@
 
 tests/conftest.py's `launch` runs every recipe through it. What it always adds, at the recipe's
 `tracker.write_summary` (a point every rank reaches with the trained model still live):
-    summary.json  + "sharding_per_rank" (zero_utils.evidence.sharding_evidence of each rank),
+    summary.json  + "sharding_per_rank" (zero_utils.train.evidence.sharding_evidence of each rank),
                   + "first_step_rows_per_rank" (the data rows each rank trained on in its first step),
                   + "data_cache_files_written_per_rank" (row or pair files each rank wrote: the main one only, 0 on
                     reuse)
                   + "tokenizer_calls_in_data_prep_per_rank" (the tokenizer's calls until the data was ready)
-                  + "causal_lms_built_per_rank" (zero_utils.model.load_causal_lm's calls before the first step
+                  + "causal_lms_built_per_rank" (zero_utils.model.loading.load_causal_lm's calls before the first step
                     ended: the policy, and a preference loss's frozen reference where the recipe builds one)
     probe_logits.safetensors  fp32 logits at the last position of --prompt (exports are checked against them)
 Switched on by the environment:
@@ -23,7 +23,7 @@ Switched on by the environment:
     ZERO_RECIPES_HARNESS_SLOW_RANK0_LOAD_S  rank 0's first `AutoModelForCausalLM.from_pretrained` waits this long
                                          first (a 140 GB checkpoint read, in seconds)
     ZERO_RECIPES_HARNESS_SHARED_DIR_WAIT_S  how long a node retries reading --output_dir's job token
-                                         (zero_utils.checkpoint.SHARED_DIR_WAIT_S, 60 s) before it gives up
+                                         (zero_utils.checkpoint.policy.SHARED_DIR_WAIT_S, 60 s) before it gives up
     ZERO_RECIPES_HARNESS_VARLEN_PROBE=1  register the flash-attention stand-in `varlen_probe` (varlen_probe.py)
     ZERO_RECIPES_HARNESS_UNHASHABLE_TOKENIZER=1  the tokenizer holds a generator: `datasets` cannot hash it
     ZERO_RECIPES_HARNESS_RSS_PROBE=1     + "data_prep_rss_anon_bytes_per_rank": [before, peak during] the data
@@ -165,7 +165,11 @@ def _attach_probes() -> None:
     (TrainingData: its rows and `info`; RunMeasurements: the accelerator, the prepared model and optimizer), and
     `TrainingData.rows_of_step` is the one place a step's rows are chosen. Subclasses record them; no function's
     positional arguments are unpacked here."""
-    from zero_utils import checkpoint_storage, data, measurement, model, preference_data, tracking
+    from zero_utils.checkpoint import storage as checkpoint_storage
+    from zero_utils.data import training as data
+    from zero_utils.model import loading as model
+    from zero_utils.preference import data as preference_data
+    from zero_utils.train import measurement, tracking
 
     load_tokenizer = model.load_tokenizer
     load_causal_lm = model.load_causal_lm
@@ -247,7 +251,7 @@ def _attach_probes() -> None:
             return super().end_step(*args, **kwargs)
 
     if os.environ.get("ZERO_RECIPES_HARNESS_OFFLOAD_PROBE") == "1":
-        from zero_utils import activation_offload
+        from zero_utils.model import activation_offload
 
         activation_offload.MIN_OFFLOAD_BYTES = 0  # the tests' tiny blocks: every saved tensor moves
 
@@ -267,7 +271,7 @@ def _attach_probes() -> None:
 
         activation_offload.ActivationOffload = RecordedOffload
     if os.environ.get("ZERO_RECIPES_HARNESS_REFERENCE_PROBE") == "1":
-        from zero_utils import reference_model
+        from zero_utils.preference import reference_model
 
         hold = reference_model.ReferenceModel.hold.__func__
 
@@ -358,8 +362,8 @@ def _evidence() -> dict:
     from accelerate.utils import gather_object
     from safetensors.torch import save_file
 
-    from zero_utils import evidence
-    from zero_utils.model import last_position_logits
+    from zero_utils.model.loading import last_position_logits
+    from zero_utils.train import evidence
 
     sync_probe.stop()  # a window still open (the run ended in the probed step) is closed, recorded incomplete
     sync_probe.cuda_stop()
@@ -398,7 +402,9 @@ def _evidence() -> dict:
 
 
 def main() -> None:
-    from zero_utils import checkpoint_export, cli, prepared_rows
+    from zero_utils.checkpoint import export as checkpoint_export
+    from zero_utils.data import prepared_rows
+    from zero_utils.launch import cli
 
     if os.environ.get("ZERO_RECIPES_HARNESS_SLOW_PREP_S"):
         prepared_rows.tokenize_example = _slow_first_call(prepared_rows.tokenize_example,
@@ -412,7 +418,7 @@ def main() -> None:
         AutoModelForCausalLM.from_pretrained = _slow_first_call(
             AutoModelForCausalLM.from_pretrained, float(os.environ["ZERO_RECIPES_HARNESS_SLOW_RANK0_LOAD_S"]))
     if os.environ.get("ZERO_RECIPES_HARNESS_SHARED_DIR_WAIT_S"):
-        from zero_utils import checkpoint
+        from zero_utils.checkpoint import policy as checkpoint
 
         checkpoint.SHARED_DIR_WAIT_S = float(os.environ["ZERO_RECIPES_HARNESS_SHARED_DIR_WAIT_S"])
     if os.environ.get("ZERO_RECIPES_HARNESS_VARLEN_PROBE") == "1":

@@ -23,10 +23,10 @@ from accelerate.utils import gather_object
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from zero_utils import wrapping
-from zero_utils.accelerator import build_accelerator
-from zero_utils.engine import Engine
-from zero_utils.model import BUNDLED_MODEL, count_parameters, load_causal_lm
+from zero_utils.model import wrapping
+from zero_utils.model.loading import BUNDLED_MODEL, count_parameters, load_causal_lm
+from zero_utils.run.accelerator import build_accelerator
+from zero_utils.run.engine import Engine
 
 
 def proc_status_bytes(field: str) -> int:

@@ -19,7 +19,7 @@ step sees every Python-level torch call, with its arguments as the caller wrote 
 
 Every syncing call on a device tensor is recorded with the first caller outside torch (file:line function), and so
 is every copy to a device that is not `non_blocking` from a host tensor. What the probe cannot see: syncs inside a
-C++ kernel, and whether a host tensor is pinned (pinning needs CUDA; `zero_utils.transfer.to_device` pins when
+C++ kernel, and whether a host tensor is pinned (pinning needs CUDA; `zero_utils.run.transfer.to_device` pins when
 the device is CUDA, which `benchmarks/gpu.py` checks with `torch.cuda.set_sync_debug_mode`).
 """
 

@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
-from zero_utils import wrapping
-from zero_utils.accelerator import build_accelerator
-from zero_utils.engine import Engine
-from zero_utils.model import BUNDLED_MODEL, load_causal_lm
+from zero_utils.model import wrapping
+from zero_utils.model.loading import BUNDLED_MODEL, load_causal_lm
+from zero_utils.run.accelerator import build_accelerator
+from zero_utils.run.engine import Engine
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--output_dir", required=True)
