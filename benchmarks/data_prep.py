@@ -41,11 +41,12 @@ tokenizing = None  # seconds in the tokenizer, timed at --num_proc 1 (all of it 
 info = None  # prepare_rows' summary (checkouts that have it)
 start = time.perf_counter()
 with _RssAnonPeak() as probe:
-    if not os.path.exists(os.path.join(tree, "zero_utils", "prepared_rows.py")):  # before streamed preparation
-        from zero_utils.data import training as data
+    flat = os.path.exists(os.path.join(tree, "zero_utils", "data.py"))  # 0.1: the modules in one folder
+    if flat and not os.path.exists(os.path.join(tree, "zero_utils", "prepared_rows.py")):  # before streamed preparation
+        from zero_utils import data
         data.build_sft_datasets(one_process, tokenizer, corpus, 256, 0.01, 0, vocab_size=len(tokenizer))
     else:
-        from zero_utils.data import prepared_rows
+        from zero_utils import prepared_rows  # 0.1's name: every checkout since imports it (zero_utils.MOVED)
         workers = {"num_proc": num_proc} if hasattr(prepared_rows, "default_num_proc") else {}
         if num_proc == 1 and hasattr(prepared_rows, "_tokenize_chunk"):  # time the tokenizing share
             tokenize_chunk, tokenizing = prepared_rows._tokenize_chunk, [0.0]
@@ -75,7 +76,7 @@ sys.path.insert(0, tree)
 sys.path.insert(0, os.path.join(sys.argv[2], "tests", "scripts"))
 import pyarrow
 from harness import rss_anon_bytes
-from zero_utils.data import prepared_rows
+from zero_utils import prepared_rows  # 0.1's name: every checkout since imports it (zero_utils.MOVED)
 import datasets  # imported before measuring, as the recipe has
 before = rss_anon_bytes()
 rows = prepared_rows.open_rows(Path(folder))
