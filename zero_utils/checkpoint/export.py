@@ -4,7 +4,8 @@ Export: `python -m zero_utils.checkpoint export <checkpoint> <out_dir> [--dtype 
 turns any complete checkpoint into a Hugging Face folder on CPU, without a process group, streaming tensors
 shard by shard instead of materialising the model.
 Tensors come from the storage that wrote the checkpoint (zero_utils.checkpoint.storage: DCP's no-dist reader, or
-DeepSpeed's `zero_to_fp32`), one safetensors shard at a time. The command's entry point is zero_utils.checkpoint.
+DeepSpeed's `zero_to_fp32`), one safetensors shard at a time. The command's entry point is the folder's
+__main__ (zero_utils/checkpoint/__main__.py).
 """
 
 from __future__ import annotations

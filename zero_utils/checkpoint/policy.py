@@ -8,8 +8,7 @@ The data position is the step: the data order is a pure function of (seed, step,
 `zero_utils.data.training.global_batch_indices`, and the learning rate a pure function of the step
 (`zero_utils.train.optim`). `--resume` refuses a folder without our metadata before reading anything else in it.
 
-Command: `python -m zero_utils.checkpoint export <checkpoint> <out_dir> [--dtype bf16] [--max_shard_size 5GB]`
-(zero_utils.checkpoint.export).
+Export: `python -m zero_utils.checkpoint export <checkpoint> <out_dir>` (zero_utils.checkpoint.export).
 """
 
 from __future__ import annotations
