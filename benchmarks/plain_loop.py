@@ -3,11 +3,12 @@ benchmarks/run.py times against recipes/llama_zero3.py at world size 1 to measur
 
     python benchmarks/plain_loop.py --model DIR --output_dir D --max_steps 10 --per_device_batch_size 4 --seq_len 256
 
-Same model (built from the config with the same seed), same packed rows and global-batch order (zero_utils.data),
-same loss (mean over answer tokens), same AdamW (zero_utils.train.optim.build_adamw: torch.optim.AdamW), same clipping.
-A step is timed from its start to the end of `zero_grad` (the recipe: from its start to the optimizer's update,
-the moment `measurement.RunMeasurements` records; `zero_grad` after it sets gradients to None, microseconds). Writes
-D/plain_loop.json: median tokens_per_s over the steps after --untimed_steps, and every step time.
+Same model (built from the config with the same seed), same packed rows and global-batch order
+(zero_utils.data.training), same loss (mean over answer tokens), same AdamW (zero_utils.train.optim.build_adamw:
+torch.optim.AdamW), same clipping. A step is timed from its start to the end of `zero_grad` (the recipe: from its start
+to the optimizer's update, the moment `measurement.RunMeasurements` records; `zero_grad` after it sets gradients to
+None, microseconds). Writes D/plain_loop.json: median tokens_per_s over the steps after --untimed_steps, and every step
+time.
 """
 
 import json
@@ -28,7 +29,7 @@ args = workload.parser(__doc__).parse_args()
 
 torch.manual_seed(args.seed)
 tokenizer = load_tokenizer(args.model)
-# zero_utils.data asks its "accelerator" only which process runs first: one process, so this one.
+# zero_utils.data.prepared_rows asks its "accelerator" only which process runs first: one process, so this one.
 one_process = SimpleNamespace(is_main_process=True, num_processes=1)
 rows, _, _ = prepared_rows.prepare_rows(one_process, tokenizer, data.BUNDLED_DATASET, seq_len=args.seq_len,
                                         eval_fraction=0.0, seed=args.seed, column_map=None,

@@ -10,8 +10,8 @@ BENCH_COMMS_STEP=S  counts every c10d collective of optimizer step S with torch.
                     each ProcessGroup call (gloo or NCCL, DDP's C++ reducer included) leaves an event with its
                     collective name, message sizes in elements and dtype (`count_collectives`). Every rank writes
                     its own list to BENCH_COMMS_FILE.rank<R>. The step runs from the recipe's call to
-                    `data.global_batch_indices(step=S)` to its call for step S+1, so it includes the recipe's small
-                    scalar all-reduces (token count, loss, grad norm, metrics maxima).
+                    `data.training.global_batch_indices(step=S)` to its call for step S+1, so it includes the recipe's
+                    small scalar all-reduces (token count, loss, grad norm, metrics maxima).
 BENCH_DEEPSPEED_DEFAULT_BUCKETS=1  leaves DeepSpeed's bucket sizes at its own defaults (what the Trainer gets from
                     the same YAML) instead of zero_utils.run.accelerator's (the hidden size's, at least 25 MiB).
 BENCH_DEEPSPEED_ZERO='{"key": value, ...}'  overrides DeepSpeed `zero_optimization` settings once
@@ -45,7 +45,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def count_comms_of_step(step_to_count: int, path: str) -> None:
-    """Wrap data.global_batch_indices (called once at the start of every step) to profile one whole step."""
+    """Wrap data.training.global_batch_indices (called once at the start of every step) to profile one whole step."""
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 

@@ -26,7 +26,7 @@ def parser(description: str) -> argparse.ArgumentParser:
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """The recipe's loss before its division by the global answer-token count: labels are already shifted by
-    zero_utils.data, so there is no shift here."""
+    zero_utils.data.sft_examples, so there is no shift here."""
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=sft_examples.IGNORE_INDEX,
                            reduction="sum")
 

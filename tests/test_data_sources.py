@@ -222,7 +222,8 @@ def test_an_error_that_is_not_about_reaching_passes_unchanged():
 
 def test_offline_with_an_empty_cache_names_hf_hub_offline_and_the_download(tmp_path):
     """For real: no network here, an empty HF_HOME and HF_HUB_OFFLINE=1, as a user on a compute node meets it."""
-    code = ("from zero_utils import model, data_sources\nfrom zero_utils.run.errors import UserError\n"
+    code = ("from zero_utils.data import sources as data_sources\nfrom zero_utils.model import loading as model\n"
+            "from zero_utils.run.errors import UserError\n"
             "for load in (lambda: model.load_tokenizer('meta-llama/Llama-3.2-1B'),\n"
             "             lambda: model.load_config('meta-llama/Llama-3.2-1B', revision='main'),\n"
             "             lambda: data_sources.load_raw_dataset('HuggingFaceH4/ultrachat_200k')):\n"

@@ -30,8 +30,8 @@ IGNORE = -100
 
 # ---------------------------------------------------------------- frozen references (the code before, unchanged)
 def reference_pack_examples(examples, seq_len, pad_token_id):
-    """`pack_examples` of zero_utils/data/training.py as of commit 01486b0 (one batch of Python lists): the
-    reference."""
+    """`pack_examples` of data.py (zero_utils/data/training.py now) as of commit 01486b0 (one batch of Python
+    lists): the reference."""
     rows, cur_ids, cur_labels, cur_pos, truncated = [], [], [], [], 0
 
     def flush():
@@ -61,7 +61,8 @@ def reference_pack_examples(examples, seq_len, pad_token_id):
 
 
 def reference_global_batch_indices(num_rows, global_batch_size, step, seed):
-    """`global_batch_indices` of zero_utils/data/training.py as of commit 01486b0 (a permutation drawn every step)."""
+    """`global_batch_indices` of data.py (zero_utils/data/training.py now) as of commit 01486b0 (a permutation drawn
+    every step)."""
     batches_per_epoch = num_rows // global_batch_size
     epoch, batch_in_epoch = divmod(step - 1, batches_per_epoch)
     order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))

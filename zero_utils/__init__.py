@@ -9,13 +9,13 @@ folders by concern. Each folder imports only the folders listed before it (tests
     model/       loading a model, and parallelism applied to it from outside (FSDP2, DeepSpeed, offloading)
     train/       the optimizer, the loss, what a run measures and records
     memory/      the memory estimate and the fit check                   (python -m zero_utils.memory ...)
-    preference/  DPO and IPO: pairs, losses, the reference model
+    preference/  DPO, IPO and SimPO: pairs, losses, the reference model
     compare/     engines compared side by side                           (python -m zero_utils.compare ...)
 
 zero-recipes 0.1 kept the modules in one folder: a recipe copied from 0.1 imports `zero_utils.accelerator`,
 `zero_utils.tracking` (0.1), ... Those names still import, as the same module objects as their new paths (`MOVED`), so
 such a recipe keeps running; zero_utils.data, .model and .checkpoint, now folders, re-export what 0.1's recipes
-imported."""
+imported, and `python -m zero_utils.memory`, `.checkpoint export` and `.compare` are the folders' __main__."""
 
 import importlib
 import importlib.abc

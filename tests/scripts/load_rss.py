@@ -3,7 +3,7 @@
     accelerate launch --config_file accelerate_configs/fsdp2.yaml --num_processes 2 \
         tests/scripts/load_rss.py --model DIR --output_dir D [--naive]
 
-Loads the model the way the recipes do (`model.load_causal_lm`, then `wrapping.shard_model` under FSDP2) and
+Loads the model the way the recipes do (`model.loading.load_causal_lm`, then `wrapping.shard_model` under FSDP2) and
 writes D/report.json (rank 0): per rank, the rise of the peak RSS (VmHWM, reset just before loading) over the RSS
 just before loading, the model's fp32 bytes, and whether the loaded weights equal the file. `--naive` switches
 rank-0 loading off (every rank reads the whole checkpoint), the baseline the bound must beat.

@@ -2,7 +2,7 @@
 torch.distributed.checkpoint for DDP, FSDP2 and single process; `DeepSpeedStorage`: the engine's own format, with
 DeepSpeed's universal conversion for another world size), every rank's RNG state, and the finishing of a
 checkpoint (rename once every rank has written, keep-last pruning). When to save and what a resume must match is
-the policy in zero_utils.checkpoint; the Hugging Face export is zero_utils.checkpoint.export.
+the policy in zero_utils.checkpoint.policy; the Hugging Face export is zero_utils.checkpoint.export.
 
 Layout of one checkpoint, `<output_dir>/checkpoints/step_<N>/`:
     model_optim/            DDP, FSDP2, single process: torch.distributed.checkpoint (DCP), each rank writing its

@@ -1,6 +1,6 @@
 """The comparison's report: each run folder read back (summary.json, metrics.jsonl), the table with ratios to DDP,
 the charts (memory, throughput, loss) and the W&B summary run of the group. Reads run folders only, so it also
-reports runs made earlier (`python -m zero_utils.compare --from ...`, zero_utils.compare). Units: MB = 1e6 bytes,
+reports runs made earlier (`python -m zero_utils.compare --from ...`, compare.runner). Units: MB = 1e6 bytes,
 tokens/s, seconds.
 """
 
@@ -213,9 +213,9 @@ def write_report(output_dir: Path, runs: list[dict], command: str, group: str | 
              f"Software: {', '.join(f'{k} {v}' for k, v in (first.get('versions') or {}).items())}.", "",
              "MB = 1e6 bytes, per rank (the maximum over ranks). Model states = params + grads + optimizer state, "
              "the most measured after any micro-batch's backward or optimizer update of the first two steps; expected "
-             "= zero_utils.memory's formula. Peak memory is the largest training step's own peak: the accelerator "
-             "allocator's on GPU, the process RSS high-water mark on CPU (which also holds the Python runtime and "
-             "libraries, several hundred MB the estimate leaves out); estimated = the recipe's fit "
+             "= zero_utils.formulas.memory's formula. Peak memory is the largest training step's own peak: the "
+             "accelerator allocator's on GPU, the process RSS high-water mark on CPU (which also holds the Python "
+             "runtime and libraries, several hundred MB the estimate leaves out); estimated = the recipe's fit "
              "check before the run (zero_utils.memory.fit_check). tokens/s is global and "
              "step time per optimizer step, both medians over steps. "
              + (f"(0.50x) = the value over the `{baseline}` row's value." if baseline else no_baseline),

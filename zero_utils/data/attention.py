@@ -1,6 +1,6 @@
 """How packed rows keep their examples apart under each attention implementation.
 
-A packed row holds several examples; its `position_ids` restart at 0 at each one (`zero_utils.data`). The
+A packed row holds several examples; its `position_ids` restart at 0 at each one (`data.packing`). The
 attention implementations need that told to them in different ways (checked against transformers 5.24):
 
 - sdpa, eager: transformers builds a block-diagonal causal mask per row from `position_ids`

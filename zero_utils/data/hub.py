@@ -10,7 +10,7 @@ Recognised anywhere in the exception's chain (transformers and datasets wrap hug
     repository not found    check the spelling (or log in, for a private one)
     not cached, offline     HF_HUB_OFFLINE=1 forbids the download: `hf download ...` ahead, or unset it
     not cached, no network  retry, or download ahead and work offline from the cache
-Anything else is re-raised unchanged (a bug to report, not a user's mistake). Bottom layer: imports only errors.
+Anything else is re-raised unchanged (a bug to report, not a user's mistake). Imports only zero_utils.run.errors.
 """
 
 from __future__ import annotations

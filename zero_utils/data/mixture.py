@@ -19,7 +19,7 @@ examples are shuffled together (with the same seed), so a packed row mixes sourc
 
 Checked where the flags are parsed (`check_mixture`), on every rank before any collective: an unknown key (the
 closest named), a weight that is not positive, an empty `datasets` list, and single-source flags given with a mixture.
-Bottom layer: imports only zero_utils.run.errors.
+Imports only zero_utils.run.errors.
 """
 
 from __future__ import annotations

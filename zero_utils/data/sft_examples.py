@@ -1,8 +1,8 @@
 """One training example as the model sees it: the layout detected from the columns (messages, prompt/completion,
 Alpaca, text; `column_map` renames a user's columns), the example turned into chat messages, rendered by the
 tokenizer's chat template (or `PLAIN_FORMAT` without one), and tokenized with the loss mask: labels already
-shifted, `IGNORE_INDEX` where there is no loss (prompt tokens, the last token). Packing the examples into rows and
-batching them is zero_utils.data.
+shifted, `IGNORE_INDEX` where there is no loss (prompt tokens, the last token). Packing the examples into rows is
+data.packing, batching them data.training.
 """
 
 from __future__ import annotations

@@ -427,7 +427,7 @@ def deepspeed_bucket_elements(hidden_size: int) -> dict[str, int]:
     """DeepSpeed ZeRO bucket sizes, in elements, for a model of hidden size `hidden_size` (h): accelerate's "auto"
     values (reduce bucket h^2, ZeRO-3 prefetch bucket 0.9 h^2, ZeRO-3 persistence threshold 10 h) with the two
     communication buckets raised to at least MIN_BUCKET_ELEMENTS (6.55M). Keys are DeepSpeed `zero_optimization`
-    keys. zero_utils.memory's estimate uses the same sizes."""
+    keys. zero_utils.memory.estimate uses the same sizes."""
     h = hidden_size
     return {"reduce_bucket_size": max(h * h, MIN_BUCKET_ELEMENTS),
             "stage3_prefetch_bucket_size": max(int(0.9 * h * h), MIN_BUCKET_ELEMENTS),

@@ -7,7 +7,7 @@ the import system wherever zero_utils was installed from (a wheel, `pip install 
 editable install, or its folder on PYTHONPATH) imports zero_utils from its own folder, beside which the top-level
 folder is the same files.
 
-Bottom layer: no zero_utils imports.
+No zero_utils imports.
 """
 
 from __future__ import annotations

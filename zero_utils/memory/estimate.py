@@ -1,6 +1,6 @@
 """The memory estimator: for a model, a cluster and a run's shape, the per-GPU bytes of every engine (from
 zero_utils.formulas.memory), whether each fits a GPU, the cheapest engine that does and its launch line, and what
-to change when nothing fits. Its command line is `python -m zero_utils.memory` (zero_utils.memory). Units: bytes.
+to change when nothing fits. Its command line is `python -m zero_utils.memory` (memory.command). Units: bytes.
 """
 
 from __future__ import annotations

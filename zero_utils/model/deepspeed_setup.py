@@ -1,5 +1,5 @@
 """DeepSpeed's own steps around accelerate, one per moment of a run (the recipe reaches them through
-zero_utils.model.parallelize and zero_utils.model):
+zero_utils.model.parallelize and zero_utils.model.loading):
 
 - building the model: `zero3_init_disabled` builds it whole even under a ZeRO-3 launch (random init);
 - before `accelerator.prepare`: `size_deepspeed_buckets` writes the communication bucket sizes

@@ -77,7 +77,7 @@ def shard_model(model: nn.Module, accelerator, block_override: str | None = None
         prefetch_blocks     1: FSDP2's implicit prefetching; k > 1: each block's forward and backward explicitly
                             start the all-gathers of the next k blocks (overlap on a GPU, up to k more blocks
                             gathered at once)
-    A model whose parameters are on the meta device on some ranks (`model.load_causal_lm` under
+    A model whose parameters are on the meta device on some ranks (`loading.load_causal_lm` under
     `fsdp_cpu_ram_efficient_loading`) is materialised here and filled from rank 0's weights, one tensor at a time.
     Returns the same module (now an `FSDPModule`). Engines: FSDP2.
     """

@@ -5,7 +5,7 @@ relaunch), and dealt to the ranks a global batch of pairs at a time.
 
 Any source `--dataset` takes (zero_utils.data.sources); splits as for SFT: the data set's eval split, else
 `--eval_fraction` of the pairs held out. Pairs are not packed: a micro-batch of b pairs is 2b rows, the b chosen
-sequences then the b rejected ones in the same order, right-padded to the longest with an attention mask, so a
+sequences then the b rejected ones in the same order, right-padded to the longest without an attention mask, so a
 pair's two answers are always in the same micro-batch on the same rank and no token attends to another example.
 
 The loss of a step is the mean over the global batch's pairs, so `StepPairs` carries the global pair count and the
@@ -53,7 +53,7 @@ class PreferenceData:
     """A preference run's pairs, prepared once per job (`prepared_pairs.prepare_pairs`: the main process tokenizes,
     the other ranks open its memory-mapped files), sliced per optimizer step into this rank's micro-batches of
     `per_device_batch_size` pairs (global batch = pairs per device x accumulation x processes, in the data order of
-    `data.global_batch_indices`).
+    `zero_utils.data.training.global_batch_indices`).
 
         data = PreferenceData.prepare(accelerator, tokenizer, model_config, dataset=..., seq_len=..., ...)
         batches = data.step_batches(step)      # this rank's micro-batches, the global pair and chosen-token counts

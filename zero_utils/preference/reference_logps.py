@@ -9,7 +9,7 @@ gathered to every rank. The file: `reference_logps-<key>.safetensors` in the pai
 (zero_utils.preference.prepared_pairs), tensors `train` (pairs, 2) and `eval` float32 (column 0 the chosen answer's, 1
 the rejected one's), one row per pair in the pairs' order, written by each node's local main process. The key hashes
 what the log-probs depend on beyond the pairs (whose folder already keys the data, tokenizer and --seq_len): the
-reference's weights (`model.weights_identity`: a Hub commit, or a local folder's weight files with sizes and
+reference's weights (`model.loading.weights_identity`: a Hub commit, or a local folder's weight files with sizes and
 modification times; for a config-only model, the SHA-256 of its built weights), the compute dtype, the attention
 implementation and LOGPS_VERSION. A relaunch or a resume with the same key reads the file and builds no reference at all
 (a config-only model is built to be digested, then freed).

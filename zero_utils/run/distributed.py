@@ -2,7 +2,7 @@
 process (or each node's) alone while the others wait outside the collective timeout, one parameter gathered whole.
 
 Every function here must be called by every rank at the same point, unless its docstring says otherwise.
-This module is a bottom layer: it imports only zero_utils.run.errors and zero_utils.run.transfer.
+It imports only zero_utils.run.errors and zero_utils.run.transfer.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ estimator's engines and `accelerate_configs/<engine.name>.yaml` included).
     fsdp2_hsdp      fsdp2      3           1/N within a shard group, replicated across groups
     *_offload                              the same, with the sharded states in CPU memory (zero3, fsdp2*)
 
-This module is a bottom layer: it imports nothing else from zero_utils.
+It imports nothing else from zero_utils.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The exceptions a recipe prints as one line, without a traceback: `UserError` for mistakes a user can fix (a
-path, a column, a flag), `TrainingStopped` for a run that stopped on purpose. Bottom layer: no imports."""
+path, a column, a flag), `TrainingStopped` for a run that stopped on purpose. No imports."""
 
 
 class UserError(Exception):

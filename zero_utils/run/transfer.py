@@ -6,7 +6,7 @@ once per tensor. `to_device` pins each host tensor first (page-locked memory fro
 which keeps the block until the copy has run) and copies it with `non_blocking=True`: the copy queues behind the
 GPU's work and the host goes on to the next micro-batch. On a CPU run it is the plain `.to(device)`.
 
-This module is a bottom layer: it imports only torch.
+It imports only torch.
 """
 
 from __future__ import annotations

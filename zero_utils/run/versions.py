@@ -1,6 +1,6 @@
 """The software versions that decide how a run behaves, recorded with every run and checkpoint.
 
-Bottom layer: no zero_utils imports but the package's version."""
+No zero_utils imports but the package's version."""
 
 from __future__ import annotations
 

@@ -206,8 +206,8 @@ class RunMeasurements:
         self._step_times.append(result.step_time_s)
 
     def eval_loss(self, token_loss_sum, micro_batches) -> float:
-        """The mean loss over the answer tokens of held-out `micro_batches` (`data.MicroBatch`, this rank's share),
-        all ranks together: `token_loss_sum(micro)` is the summed token loss of one micro-batch, as in training.
+        """The mean loss over the answer tokens of held-out `micro_batches` (`data.training.MicroBatch`, this rank's
+        share), all ranks together: `token_loss_sum(micro)` is the summed token loss of one micro-batch, as in training.
         `eval_means` with the answer tokens as the count. Every rank must call it with as many micro-batches
         (`TrainingData.eval_batches` does)."""
         return self.eval_means(lambda micro: {"loss": token_loss_sum(micro), "count": micro.num_loss_tokens},

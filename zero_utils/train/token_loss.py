@@ -63,7 +63,8 @@ class TokenLosses:
         head.forward = forward
 
     def __call__(self, model, micro) -> torch.Tensor:
-        """Token losses of `micro` (`data.MicroBatch`: `inputs` for the model, `labels` of shape (rows, seq_len))."""
+        """Token losses of `micro` (`data.training.MicroBatch`: `inputs` for the model, `labels` of shape (rows,
+        seq_len))."""
         if not self.chunk_tokens:
             logits = model(**micro.inputs).logits
             return F.cross_entropy(logits.float().flatten(0, 1), micro.labels.flatten(), ignore_index=self.ignore_index,
