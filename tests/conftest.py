@@ -19,6 +19,10 @@ for _name in CALLER_VARIABLES:
 
 import pytest  # noqa: E402
 
+# The launch ledger's hooks: every launch counted per test file against its budget in docs/TESTING.md, and every
+# temporary and cache folder of the tests' processes under pytest's root (tests/launch_ledger.py).
+from launch_ledger import RUN_NAME, pytest_addoption, pytest_configure  # noqa: E402, F401
+
 from zero_utils.launch.launcher import accelerate_launch_command, config_file, free_port  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -136,7 +140,7 @@ def runs(session_root):
 
     def get(name: str, *recipe_args: str, **kwargs) -> Run:
         if name not in cache:
-            kwargs.setdefault("env", env)
+            kwargs["env"] = {**kwargs.get("env", env), RUN_NAME: name}  # the ledger checks it launches once
             cache[name] = launch(session_root / name, *recipe_args, **kwargs)
         return cache[name]
 

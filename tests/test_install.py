@@ -20,6 +20,7 @@ import textwrap
 
 import pytest
 from conftest import REPO, free_port, isolated_env
+from launch_ledger import SITE
 
 from zero_utils.launch.launcher import accelerate_launch_command
 
@@ -39,7 +40,8 @@ def installed(tmp_path_factory):
     assert len(wheels) == 1, wheels
     subprocess.run([*pip, "install", "--no-deps", "--target", str(root / "T"), str(wheels[0])], check=True,
                    capture_output=True)
-    env = {**isolated_env(root), "PYTHONPATH": str(root / "T")}
+    # T only, then the launch ledger's recorder (tests/launch_ledger.py: a folder holding only sitecustomize.py)
+    env = {**isolated_env(root), "PYTHONPATH": os.pathsep.join([str(root / "T"), str(SITE)])}
     work = root / "project"
     work.mkdir()
     return root / "T", env, work
