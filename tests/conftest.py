@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -127,21 +128,48 @@ def without_the_callers_variables():
         yield
 
 
+@contextmanager
+def exclusive(path: Path):
+    """One pytest process at a time inside (an advisory lock on `path`): under pytest-xdist, what the session
+    fixtures write under `session_root` is written once, by the first worker that needs it, and read by the others."""
+    import fcntl
+
+    with open(path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 @pytest.fixture(scope="session")
 def session_root(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("runs")
+    """The run-wide folder of shared launches and models: one per pytest run, the same for every xdist worker (a
+    worker's own temporary root is a folder inside the run's)."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "runs"
+    root.mkdir(exist_ok=True)
+    return root
 
 
 @pytest.fixture(scope="session")
 def runs(session_root):
-    """Session cache of launches: `runs(name, **launch_kwargs)` launches once per name and returns the `Run`."""
+    """Run-wide cache of launches: `runs(name, **launch_kwargs)` launches once per name and returns the `Run`; under
+    pytest-xdist the first worker to ask launches it and the others read what it saved (`<name>.run.json`)."""
     cache: dict[str, Run] = {}
     env = isolated_env(session_root)
 
     def get(name: str, *recipe_args: str, **kwargs) -> Run:
         if name not in cache:
-            kwargs["env"] = {**kwargs.get("env", env), RUN_NAME: name}  # the ledger checks it launches once
-            cache[name] = launch(session_root / name, *recipe_args, **kwargs)
+            saved = session_root / f"{name}.run.json"
+            with exclusive(session_root / f"{name}.lock"):
+                if saved.exists():
+                    cache[name] = Run(**json.loads(saved.read_text()), output_dir=session_root / name)
+                else:
+                    kwargs["env"] = {**kwargs.get("env", env), RUN_NAME: name}  # the ledger checks it launches once
+                    run = cache[name] = launch(session_root / name, *recipe_args, **kwargs)
+                    saved.write_text(json.dumps({"returncode": run.returncode, "stdout": run.stdout,
+                                                 "stderr": run.stderr}))
         return cache[name]
 
     return get
@@ -159,7 +187,9 @@ def llama_from_config(path: Path, **sizes) -> str:
     recipes initialise them from the seed); written once per path, untied head, the tokenizer's vocabulary."""
     from transformers import AutoTokenizer, LlamaConfig
 
-    if not path.exists():
+    with exclusive(path.with_name(path.name + ".lock")):
+        if path.exists():
+            return str(path)
         tokenizer = AutoTokenizer.from_pretrained(REPO / "zero_utils/assets/tiny-llama")
         LlamaConfig(vocab_size=len(tokenizer), **sizes, tie_word_embeddings=False,
                     bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
@@ -225,7 +255,9 @@ def base_model(session_root) -> str:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     path = session_root / "lora-base"
-    if not path.exists():
+    with exclusive(session_root / "lora-base.lock"):
+        if path.exists():
+            return str(path)
         torch.manual_seed(0)
         bundled = REPO / "zero_utils/assets/tiny-llama"
         AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(bundled)).save_pretrained(path)

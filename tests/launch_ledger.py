@@ -34,8 +34,8 @@ SITE = Path(__file__).resolve().parent / "ledger"  # holds sitecustomize.py, the
 LEDGER_FILE = "ZERO_RECIPES_LAUNCH_LEDGER"  # the raw file launched processes append to
 LEDGER_DIR = "ZERO_RECIPES_LEDGER_DIR"  # where each pytest process (controller, xdist worker) keeps its files
 RUN_NAME = "ZERO_RECIPES_LEDGER_RUN"  # the name of a shared run (conftest's `runs`), for the duplicate check
-# The budget table: a row per test file, `| tests/test_x.py | <budget> | ...` (the first number is the budget).
-BUDGET_ROW = re.compile(r"^\|\s*`?(tests/[\w/]+\.py)`?\s*\|\s*(\d+)\s*\|", re.MULTILINE)
+# The budget table: a row per test file, `| tests/<file>.py | <budget> | ...` (the first number is the budget).
+BUDGET_ROW = re.compile(r"^\|\s*`?([\w/]+\.py)`?\s*\|\s*(\d+)\s*\|", re.MULTILINE)
 
 
 def pytest_addoption(parser):

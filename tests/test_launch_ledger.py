@@ -34,25 +34,25 @@ PLANTED = textwrap.dedent('''
 
 @pytest.mark.distributed
 def test_a_planted_launch_over_budget_fails_the_run_and_a_subprocess_launch_counts(tmp_path):
-    (tmp_path / "tests").mkdir()
-    (tmp_path / "tests/test_plant.py").write_text(PLANTED)
+    (tmp_path / "planted").mkdir()
+    (tmp_path / "planted/test_plant.py").write_text(PLANTED)
     (tmp_path / "empty.py").write_text("")
-    (tmp_path / "budgets.md").write_text("| test file | launches |\n|---|---|\n| tests/test_plant.py | 1 |\n")
+    (tmp_path / "budgets.md").write_text("| test file | launches |\n|---|---|\n| planted/test_plant.py | 1 |\n")
     env = {name: value for name, value in os.environ.items()
            if name not in (LEDGER_FILE, LEDGER_DIR, "PYTEST_CURRENT_TEST", "PYTEST_ADDOPTS", "PYTEST_XDIST_WORKER")}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "tests"), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "launch_ledger", "-p", "no:cacheprovider",
-                           "--rootdir", str(tmp_path), "--basetemp", str(tmp_path / "basetemp"),
-                           "--launch-budgets", "budgets.md", "--launch-ledger", "ledger.jsonl", "tests/test_plant.py"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    inner = ["-p", "launch_ledger", "-p", "no:cacheprovider", "--rootdir", str(tmp_path), "--basetemp",
+             str(tmp_path / "basetemp"), "--launch-budgets", "budgets.md", "--launch-ledger", "ledger.jsonl"]
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", *inner, "planted/test_plant.py"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=300)
     assert "2 passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.returncode == 1, proc.stdout[-3000:]
-    assert ("LAUNCH BUDGET: tests/test_plant.py made 2 launches, over its budget of 1 in budgets.md: share a run or "
+    assert ("LAUNCH BUDGET: planted/test_plant.py made 2 launches, over its budget of 1 in budgets.md: share a run or "
             "raise the budget there.") in proc.stdout
     launches = [json.loads(line) for line in (tmp_path / "ledger.jsonl").read_text().splitlines()]
     assert [(x["test"].split("::")[1], x["processes"]) for x in launches] == [
         ("test_launches_directly", 2), ("test_launches_inside_a_subprocess", 2)]
-    assert all(x["file"] == "tests/test_plant.py" and x["seconds"] > 0 for x in launches)
+    assert all(x["file"] == "planted/test_plant.py" and x["seconds"] > 0 for x in launches)
 
 
 @pytest.mark.unit
@@ -65,6 +65,7 @@ def test_every_test_file_has_a_launch_budget_and_every_budget_a_file():
 @pytest.mark.unit
 def test_temporary_files_of_the_tests_and_their_processes_go_under_pytests_root(tmp_path_factory):
     root = tmp_path_factory.getbasetemp()
+    root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root  # a worker's root is inside the run's
     for name in ("TMPDIR", "TORCHINDUCTOR_CACHE_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
         assert Path(os.environ[name]).is_relative_to(root), name
     assert Path(tempfile.gettempdir()) == Path(os.environ["TMPDIR"])
