@@ -448,9 +448,17 @@ def test_a_precomputed_reference_trains_as_the_held_one(dpo_run, precomputed_run
     from test_zero_math import LOSS_RTOL, WEIGHT_ATOL
 
     held, precomputed = dpo_run(config), precomputed_run(config)
-    for key in ("loss", "reward_chosen", "reward_margin", "logps_chosen"):
+    for key in ("loss", "logps_chosen", "logps_rejected"):
         assert [m[key] for m in precomputed.metrics()] == pytest.approx([m[key] for m in held.metrics()],
                                                                       rel=LOSS_RTOL, abs=1e-6), key
+    # A reward is beta x (policy - reference log-probs): a small difference of two sums of about -60, whose rounding
+    # (1e-6 of the sums after two updates on an AVX512 host: 5e-6 of a reward of 0.033) is the log-probs' own,
+    # beta x LOSS_RTOL x |log-probs|; a wrong or shifted reference moves a reward by more than a tenth of it.
+    beta = held.summary()["beta"]
+    for step, (got, want) in enumerate(zip(precomputed.metrics(), held.metrics(), strict=True), start=1):
+        tolerance = beta * LOSS_RTOL * max(abs(want["logps_chosen"]), abs(want["logps_rejected"]))
+        for key in ("reward_chosen", "reward_margin"):
+            assert got[key] == pytest.approx(want[key], abs=tolerance), (key, step)
     assert held.metrics()[-1]["reward_margin"] > 0  # trained: the comparison is not of zeros
     summary = precomputed.summary()
     assert summary["reference"] == "precomputed" and summary["reference_logps"]["reused"] is False
