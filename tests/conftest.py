@@ -22,7 +22,7 @@ import pytest  # noqa: E402
 
 # The launch ledger's hooks: every launch counted per test file against its budget in docs/TESTING.md, and every
 # temporary and cache folder of the tests' processes under pytest's root (tests/launch_ledger.py).
-from launch_ledger import RUN_NAME, pytest_addoption, pytest_configure  # noqa: E402, F401
+from launch_ledger import RUN_NAME, note_shared_run, pytest_addoption, pytest_configure  # noqa: E402, F401
 
 from zero_utils.launch.launcher import accelerate_launch_command, config_file, free_port  # noqa: E402
 
@@ -160,16 +160,19 @@ def runs(session_root):
     env = isolated_env(session_root)
 
     def get(name: str, *recipe_args: str, **kwargs) -> Run:
-        if name not in cache:
-            saved = session_root / f"{name}.run.json"
-            with exclusive(session_root / f"{name}.lock"):
-                if saved.exists():
-                    cache[name] = Run(**json.loads(saved.read_text()), output_dir=session_root / name)
-                else:
-                    kwargs["env"] = {**kwargs.get("env", env), RUN_NAME: name}  # the ledger checks it launches once
-                    run = cache[name] = launch(session_root / name, *recipe_args, **kwargs)
-                    saved.write_text(json.dumps({"returncode": run.returncode, "stdout": run.stdout,
-                                                 "stderr": run.stderr}))
+        if name in cache:
+            note_shared_run(name)  # the ledger counts the run in every file that reads it
+            return cache[name]
+        saved = session_root / f"{name}.run.json"
+        with exclusive(session_root / f"{name}.lock"):
+            if saved.exists():
+                note_shared_run(name)
+                cache[name] = Run(**json.loads(saved.read_text()), output_dir=session_root / name)
+            else:
+                kwargs["env"] = {**kwargs.get("env", env), RUN_NAME: name}  # the ledger checks it launches once
+                run = cache[name] = launch(session_root / name, *recipe_args, **kwargs)
+                saved.write_text(json.dumps({"returncode": run.returncode, "stdout": run.stdout,
+                                             "stderr": run.stderr}))
         return cache[name]
 
     return get

@@ -5,11 +5,14 @@ starts is counted where it starts, including those a subprocess starts (the comp
 recipe's launch, multinode, faults): tests/ledger/sitecustomize.py, first on every started process's PYTHONPATH,
 appends a line per launcher and per launched process to the file ZERO_RECIPES_LAUNCH_LEDGER names. After each test
 the plugin gives the lines that arrived during it to that test (tests run one at a time per pytest process; each
-xdist worker has its own file). At the end it prints, per test file: tests, launches, processes, launch seconds,
-the tests' own seconds and the file's budget; a file that launched more than its budget in docs/TESTING.md (or has
-none) fails the run with one sentence, and so does a shared run (`runs(name, ...)` in conftest) launched twice
-(under xdist, when tests that share it ran on two workers). `--launch-ledger PATH` keeps the ledger, one JSON line
-per launch: file, test, run, processes, seconds, command.
+xdist worker has its own file). A shared run (`runs(name, ...)` in conftest) is launched by the first test that
+asks for it, whichever file that is; its other readers note a read (`note_shared_run`). So a file's count is what
+it needs, whatever ran before it and whether it runs alone: the launches made in it plus the shared runs it read
+that other files made. At the end the plugin prints, per test file: tests, launches made, launches needed, budget,
+processes, launch seconds and the tests' own seconds; a file that needs more than its budget in docs/TESTING.md (or
+has launches and no budget) fails the run with one sentence, and so does a shared run launched twice.
+`--launch-ledger PATH` keeps the ledger, one JSON line per launch (file, test, run, processes, seconds, command) and
+per read of a shared run made elsewhere (file, test, run).
 
 Nothing is left behind: every process the tests start gets TMPDIR, torch inductor's cache and wandb's folders under
 pytest's temporary root for this run (`<basetemp>/scratch`), which pytest removes with the rest after a passing run.
@@ -46,6 +49,13 @@ def pytest_addoption(parser):
                     help="also write the ledger there: one JSON line per launch (file, test, processes, seconds)")
 
 
+def note_shared_run(name: str) -> None:
+    """Record that the running test reads the shared run `name` without launching it (tests/conftest.py's `runs`)."""
+    if os.environ.get(LEDGER_FILE):
+        with open(os.environ[LEDGER_FILE], "a") as f:
+            f.write(json.dumps({"event": "read", "run": name}) + "\n")
+
+
 def read_budgets(path: str | Path) -> dict[str, int]:
     """{test file relative to the repository: launches allowed} from the Markdown table in `path`."""
     return {name: int(budget) for name, budget in BUDGET_ROW.findall(Path(path).read_text())}
@@ -77,7 +87,8 @@ def pytest_configure(config):
         tempfile.tempdir = None  # this process's own temporary files follow TMPDIR too
         os.environ[LEDGER_DIR] = str(folder)
     os.environ[LEDGER_FILE] = str(folder / f"raw-{worker or 'main'}.jsonl")
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SITE), os.environ.get("PYTHONPATH")]))
+    paths = [path for path in os.environ.get("PYTHONPATH", "").split(os.pathsep) if path and path != str(SITE)]
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(SITE), *paths])  # xdist workers inherit the controller's
     config.pluginmanager.register(LaunchLedger(config, folder, worker), "launch_ledger_instance")
 
 
@@ -89,6 +100,7 @@ class LaunchLedger:
         self.raw = Path(os.environ[LEDGER_FILE])
         self.read_bytes = 0
         self.launches: dict[str, dict] = {}  # launch id -> its ledger line, in start order
+        self.reads: list[dict] = []  # a test read a shared run it did not launch
         self.test_seconds: dict[str, float] = defaultdict(float)  # nodeid -> set-up + call + tear-down
         self.problems: list[str] = []
         self.table: list[tuple] = []
@@ -108,6 +120,8 @@ class LaunchLedger:
                 self.launches[record["id"]] = {
                     "file": nodeid.split("::")[0], "test": nodeid, "run": record["run"], "processes": 0,
                     "seconds": None, "started": record["time"], "command": " ".join(record["argv"])}
+            elif record["event"] == "read":
+                self.reads.append({"file": nodeid.split("::")[0], "test": nodeid, "run": record["run"], "read": True})
             elif record["event"] == "process" and record["launch"] in self.launches:
                 self.launches[record["launch"]]["processes"] += 1
             elif record["event"] == "end" and record["id"] in self.launches:
@@ -121,8 +135,8 @@ class LaunchLedger:
         yield
         self._read_new_lines(item.nodeid)
         with (self.folder / f"ledger-{self.worker or 'main'}.jsonl").open("w") as f:
-            for launch in self.launches.values():
-                f.write(json.dumps(launch) + "\n")
+            for line in [*self.launches.values(), *self.reads]:
+                f.write(json.dumps(line) + "\n")
 
     def pytest_runtest_logreport(self, report):
         self.test_seconds[report.nodeid] += report.duration
@@ -131,13 +145,14 @@ class LaunchLedger:
     def pytest_sessionfinish(self, session, exitstatus):
         if self.worker:
             return
-        launches = [json.loads(line) for path in sorted(self.folder.glob("ledger-*.jsonl"))
-                    for line in path.read_text().splitlines()]
+        lines = [json.loads(line) for path in sorted(self.folder.glob("ledger-*.jsonl"))
+                 for line in path.read_text().splitlines()]
         if self.config.option.launch_ledger:
-            Path(self.config.option.launch_ledger).write_text("".join(json.dumps(x) + "\n" for x in launches))
+            Path(self.config.option.launch_ledger).write_text("".join(json.dumps(x) + "\n" for x in lines))
+        launches = [line for line in lines if not line.get("read")]
         budgets = read_budgets(self.config.option.launch_budgets)
-        per_file: dict[str, dict] = defaultdict(lambda: {"tests": 0, "launches": 0, "processes": 0, "launch_s": 0.0,
-                                                          "test_s": 0.0})
+        per_file: dict[str, dict] = defaultdict(lambda: {"tests": 0, "launches": 0, "needs": 0, "processes": 0,
+                                                          "launch_s": 0.0, "test_s": 0.0})
         for nodeid, seconds in self.test_seconds.items():
             per_file[nodeid.split("::")[0]]["tests"] += 1
             per_file[nodeid.split("::")[0]]["test_s"] += seconds
@@ -146,15 +161,27 @@ class LaunchLedger:
             row["launches"] += 1
             row["processes"] += launch["processes"]
             row["launch_s"] += launch["seconds"] or 0.0
+        made_in = defaultdict(set)
+        for launch in launches:
+            made_in[launch["file"]].add(launch["run"])
+        read_elsewhere = defaultdict(set)  # shared runs a file read that another file launched
+        for line in lines:
+            if line.get("read") and line["run"] not in made_in[line["file"]]:
+                read_elsewhere[line["file"]].add(line["run"])
+        for name, row in per_file.items():
+            row["needs"] = row["launches"] + len(read_elsewhere[name])
         self.table = sorted(per_file.items(), key=lambda item: -item[1]["test_s"])
+        where = self.config.option.launch_budgets
         for name, row in self.table:
             budget = budgets.get(name)
-            if row["launches"] and budget is None:
-                self.problems.append(f"{name} made {row['launches']} launches and has no launch budget in "
-                                     f"{self.config.option.launch_budgets}: add its row to the table.")
-            elif budget is not None and row["launches"] > budget:
-                self.problems.append(f"{name} made {row['launches']} launches, over its budget of {budget} in "
-                                     f"{self.config.option.launch_budgets}: share a run or raise the budget there.")
+            if row["needs"] and budget is None:
+                self.problems.append(f"{name} needs {row['needs']} launches and has no launch budget in {where}: "
+                                     "add its row to the table.")
+            elif budget is not None and row["needs"] > budget:
+                shared = len(read_elsewhere[name])
+                self.problems.append(
+                    f"{name} needs {row['needs']} launches ({row['launches']} made in it, {shared} of other files' "
+                    f"shared runs), over its budget of {budget} in {where}: share a run or raise the budget there.")
         by_run: dict[str, list] = defaultdict(list)
         for launch in launches:
             if launch["run"]:
@@ -171,16 +198,16 @@ class LaunchLedger:
             return
         write = terminalreporter.write_line
         terminalreporter.section("launch ledger")
-        write(f"{'test file':<36} {'tests':>5} {'launches':>8} {'budget':>6} {'processes':>9} {'launch s':>9} "
-              f"{'test s':>8}")
+        write(f"{'test file':<36} {'tests':>5} {'launches':>8} {'needs':>5} {'budget':>6} {'processes':>9} "
+              f"{'launch s':>9} {'test s':>8}")
         budgets = read_budgets(self.config.option.launch_budgets)
         total = defaultdict(float)
         for name, row in self.table:
-            write(f"{name:<36} {row['tests']:>5} {row['launches']:>8} {budgets.get(name, '-')!s:>6} "
+            write(f"{name:<36} {row['tests']:>5} {row['launches']:>8} {row['needs']:>5} {budgets.get(name, '-')!s:>6} "
                   f"{row['processes']:>9} {row['launch_s']:>9.0f} {row['test_s']:>8.0f}")
             for key, value in row.items():
                 total[key] += value
-        write(f"{'total':<36} {total['tests']:>5.0f} {total['launches']:>8.0f} {'':>6} {total['processes']:>9.0f} "
-              f"{total['launch_s']:>9.0f} {total['test_s']:>8.0f}")
+        write(f"{'total':<36} {total['tests']:>5.0f} {total['launches']:>8.0f} {'':>5} {'':>6} "
+              f"{total['processes']:>9.0f} {total['launch_s']:>9.0f} {total['test_s']:>8.0f}")
         for problem in self.problems:
             terminalreporter.write_line(f"LAUNCH BUDGET: {problem}", red=True, bold=True)

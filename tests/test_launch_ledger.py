@@ -17,7 +17,8 @@ import pytest
 from conftest import REPO
 from launch_ledger import LEDGER_DIR, LEDGER_FILE, read_budgets
 
-# Two tests, each starting one 2-process torchrun of an empty script: one directly, one from a Python subprocess.
+# Two tests, each starting one 2-process torchrun of an empty script: one directly, one from a Python subprocess;
+# a third reads a shared run no test of the file launched, which the file needs as much as its own launches.
 PLANTED = textwrap.dedent('''
     import subprocess, sys
 
@@ -29,6 +30,11 @@ PLANTED = textwrap.dedent('''
     def test_launches_inside_a_subprocess():
         subprocess.run([sys.executable, "-c", f"import subprocess; subprocess.run({LAUNCH!r}, check=True)"],
                        check=True)
+
+    def test_reads_a_shared_run_another_file_made():
+        from launch_ledger import note_shared_run
+
+        note_shared_run("made-elsewhere")  # as tests/conftest.py's `runs` does on a cache hit
 ''')
 
 
@@ -45,11 +51,14 @@ def test_a_planted_launch_over_budget_fails_the_run_and_a_subprocess_launch_coun
              str(tmp_path / "basetemp"), "--launch-budgets", "budgets.md", "--launch-ledger", "ledger.jsonl"]
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", *inner, "planted/test_plant.py"], cwd=tmp_path,
                           env=env, capture_output=True, text=True, timeout=300)
-    assert "2 passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "3 passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.returncode == 1, proc.stdout[-3000:]
-    assert ("LAUNCH BUDGET: planted/test_plant.py made 2 launches, over its budget of 1 in budgets.md: share a run or "
-            "raise the budget there.") in proc.stdout
-    launches = [json.loads(line) for line in (tmp_path / "ledger.jsonl").read_text().splitlines()]
+    assert ("LAUNCH BUDGET: planted/test_plant.py needs 3 launches (2 made in it, 1 of other files' shared runs), "
+            "over its budget of 1 in budgets.md: share a run or raise the budget there.") in proc.stdout
+    lines = [json.loads(line) for line in (tmp_path / "ledger.jsonl").read_text().splitlines()]
+    launches = [line for line in lines if not line.get("read")]
+    assert [(x["test"].split("::")[1], x["run"]) for x in lines if x.get("read")] == [
+        ("test_reads_a_shared_run_another_file_made", "made-elsewhere")]
     assert [(x["test"].split("::")[1], x["processes"]) for x in launches] == [
         ("test_launches_directly", 2), ("test_launches_inside_a_subprocess", 2)]
     assert all(x["file"] == "planted/test_plant.py" and x["seconds"] > 0 for x in launches)
