@@ -343,7 +343,7 @@ OTHER_TOOLS_FLAGS = {"--nnodes", "--nproc_per_node", "--max_restarts", "--nodes"
                      "--no-deps", "--no-build-isolation", "--no-index", "--target", "--quiet", "--dry-run", "--report",
                      "--force-reinstall", "--index-url", "--extra-index-url", "--upgrade", "--only-binary",
                      "--platform", "--python-version", "--dest", "--user", "--basetemp", "--collect-only",
-                     "--junitxml", "--maxfail", "--lf", "--per_device_train_batch_size"}
+                     "--junitxml", "--maxfail", "--lf", "--per_device_train_batch_size", "--dist", "--ignored"}
 
 
 def _docs_pages() -> list[Path]:
@@ -359,15 +359,16 @@ def _recipe_settings() -> dict[str, type]:
 
 
 def _cli_flags() -> set[str]:
-    """Every `--flag` an argparse parser of this repository declares (zero_utils, benchmarks, tools), read from the
-    source, and from the module CLIs' own parsers; every recipe flag (and its --no- form); every `accelerate launch`
-    option from accelerate's own parser."""
+    """Every `--flag` an argparse parser of this repository declares (zero_utils, benchmarks, tools; the suite's own
+    pytest options, tests/launch_ledger.py), read from the source, and from the module CLIs' own parsers; every recipe
+    flag (and its --no- form); every `accelerate launch` option from accelerate's own parser."""
     from accelerate.commands.launch import launch_command_parser
 
     flags = set()
-    for path in [*REPO.glob("zero_utils/**/*.py"), *REPO.glob("benchmarks/*.py"), *REPO.glob("tools/*.py")]:
+    for path in [*REPO.glob("zero_utils/**/*.py"), *REPO.glob("benchmarks/*.py"), *REPO.glob("tools/*.py"),
+                 REPO / "tests/launch_ledger.py"]:
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument":
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", "") in ("add_argument", "addoption"):
                 flags |= {a.value for a in node.args if isinstance(a, ast.Constant) and str(a.value).startswith("--")}
     for settings in _recipe_settings().values():
         for name, field in settings.__dataclass_fields__.items():
