@@ -142,12 +142,16 @@ def exclusive(path: Path):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+def run_root(tmp_path_factory) -> Path:
+    """This pytest run's temporary root, the same for every xdist worker (a worker's own is a folder inside it)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="session")
 def session_root(tmp_path_factory) -> Path:
-    """The run-wide folder of shared launches and models: one per pytest run, the same for every xdist worker (a
-    worker's own temporary root is a folder inside the run's)."""
-    base = tmp_path_factory.getbasetemp()
-    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "runs"
+    """The run-wide folder of shared launches and models, under `run_root`."""
+    root = run_root(tmp_path_factory) / "runs"
     root.mkdir(exist_ok=True)
     return root
 

@@ -65,8 +65,7 @@ def scratch_environment(root: Path) -> dict[str, str]:
     """The variables that keep what tests and their processes write to temporary and cache folders under `root`."""
     folders = {"TMPDIR": "tmp", "TORCHINDUCTOR_CACHE_DIR": "inductor", "WANDB_CACHE_DIR": "wandb/cache",
                "WANDB_CONFIG_DIR": "wandb/config", "WANDB_DATA_DIR": "wandb/data",
-               "WANDB_ARTIFACT_DIR": "wandb/artifacts",
-               "MPLCONFIGDIR": "matplotlib"}
+               "WANDB_ARTIFACT_DIR": "wandb/artifacts", "MPLCONFIGDIR": "matplotlib"}
     for folder in folders.values():
         (root / folder).mkdir(parents=True, exist_ok=True)
     return {name: str(root / folder) for name, folder in folders.items()}
@@ -102,6 +101,7 @@ class LaunchLedger:
         self.launches: dict[str, dict] = {}  # launch id -> its ledger line, in start order
         self.reads: list[dict] = []  # a test read a shared run it did not launch
         self.test_seconds: dict[str, float] = defaultdict(float)  # nodeid -> set-up + call + tear-down
+        self.budgets: dict[str, int] = {}
         self.problems: list[str] = []
         self.table: list[tuple] = []
 
@@ -134,15 +134,17 @@ class LaunchLedger:
     def pytest_runtest_protocol(self, item, nextitem):
         yield
         self._read_new_lines(item.nodeid)
-        with (self.folder / f"ledger-{self.worker or 'main'}.jsonl").open("w") as f:
-            for line in [*self.launches.values(), *self.reads]:
-                f.write(json.dumps(line) + "\n")
 
     def pytest_runtest_logreport(self, report):
         self.test_seconds[report.nodeid] += report.duration
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_sessionfinish(self, session, exitstatus):
+        # Each pytest process writes what it gave its tests once; an xdist worker finishes before the controller,
+        # which reads them all.
+        with (self.folder / f"ledger-{self.worker or 'main'}.jsonl").open("w") as f:
+            for line in [*self.launches.values(), *self.reads]:
+                f.write(json.dumps(line) + "\n")
         if self.worker:
             return
         lines = [json.loads(line) for path in sorted(self.folder.glob("ledger-*.jsonl"))
@@ -150,19 +152,18 @@ class LaunchLedger:
         if self.config.option.launch_ledger:
             Path(self.config.option.launch_ledger).write_text("".join(json.dumps(x) + "\n" for x in lines))
         launches = [line for line in lines if not line.get("read")]
-        budgets = read_budgets(self.config.option.launch_budgets)
+        budgets = self.budgets = read_budgets(self.config.option.launch_budgets)
         per_file: dict[str, dict] = defaultdict(lambda: {"tests": 0, "launches": 0, "needs": 0, "processes": 0,
                                                           "launch_s": 0.0, "test_s": 0.0})
         for nodeid, seconds in self.test_seconds.items():
             per_file[nodeid.split("::")[0]]["tests"] += 1
             per_file[nodeid.split("::")[0]]["test_s"] += seconds
+        made_in = defaultdict(set)  # the shared runs each file launched
         for launch in launches:
             row = per_file[launch["file"]]
             row["launches"] += 1
             row["processes"] += launch["processes"]
             row["launch_s"] += launch["seconds"] or 0.0
-        made_in = defaultdict(set)
-        for launch in launches:
             made_in[launch["file"]].add(launch["run"])
         read_elsewhere = defaultdict(set)  # shared runs a file read that another file launched
         for line in lines:
@@ -200,7 +201,7 @@ class LaunchLedger:
         terminalreporter.section("launch ledger")
         write(f"{'test file':<36} {'tests':>5} {'launches':>8} {'needs':>5} {'budget':>6} {'processes':>9} "
               f"{'launch s':>9} {'test s':>8}")
-        budgets = read_budgets(self.config.option.launch_budgets)
+        budgets = self.budgets
         total = defaultdict(float)
         for name, row in self.table:
             write(f"{name:<36} {row['tests']:>5} {row['launches']:>8} {row['needs']:>5} {budgets.get(name, '-')!s:>6} "

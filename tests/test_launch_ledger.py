@@ -14,7 +14,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, run_root
 from launch_ledger import LEDGER_DIR, LEDGER_FILE, read_budgets
 
 # Two tests, each starting one 2-process torchrun of an empty script: one directly, one from a Python subprocess;
@@ -73,8 +73,7 @@ def test_every_test_file_has_a_launch_budget_and_every_budget_a_file():
 
 @pytest.mark.unit
 def test_temporary_files_of_the_tests_and_their_processes_go_under_pytests_root(tmp_path_factory):
-    root = tmp_path_factory.getbasetemp()
-    root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root  # a worker's root is inside the run's
+    root = run_root(tmp_path_factory)
     for name in ("TMPDIR", "TORCHINDUCTOR_CACHE_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
         assert Path(os.environ[name]).is_relative_to(root), name
     assert Path(tempfile.gettempdir()) == Path(os.environ["TMPDIR"])

@@ -15,18 +15,14 @@ import os
 import sys
 
 
-def _launcher_name() -> str | None:
-    """The launcher this process is, from its command line, or None."""
+def _is_launcher() -> bool:
+    """Whether this process is a launcher, from its command line."""
     if sys.argv and sys.argv[0] == "-m":  # `python -m module`: the module is in the original command line
         argv = getattr(sys, "orig_argv", [])
         module = argv[argv.index("-m") + 1] if "-m" in argv[:-1] else ""
-        if module in ("accelerate.commands.launch", "torch.distributed.run", "torch.distributed.launch"):
-            return module
-        return None
+        return module in ("accelerate.commands.launch", "torch.distributed.run", "torch.distributed.launch")
     script = os.path.basename(sys.argv[0]) if sys.argv else ""
-    if script == "accelerate" and sys.argv[1:2] == ["launch"] or script in ("accelerate-launch", "torchrun"):
-        return script
-    return None
+    return script == "accelerate" and sys.argv[1:2] == ["launch"] or script in ("accelerate-launch", "torchrun")
 
 
 def _append(record: dict) -> None:
@@ -43,12 +39,11 @@ def _append(record: dict) -> None:
 def _record() -> None:
     import time
 
-    launcher = _launcher_name()
-    if launcher is not None:
+    if _is_launcher():
         import atexit
 
         started, launch_id = time.time(), f"{os.getpid()}-{time.time_ns()}"
-        _append({"event": "launch", "id": launch_id, "launcher": launcher, "time": started,
+        _append({"event": "launch", "id": launch_id, "time": started,
                  "run": os.environ.get("ZERO_RECIPES_LEDGER_RUN"), "argv": sys.argv[1:]})
         os.environ.update(ZERO_RECIPES_LAUNCH_ID=launch_id, ZERO_RECIPES_LAUNCHER_PID=str(os.getpid()))
         atexit.register(lambda: _append({"event": "end", "id": launch_id, "seconds": time.time() - started}))
