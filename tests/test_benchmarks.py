@@ -173,7 +173,11 @@ def test_gpu_check_runs_on_cpu_from_its_own_wheels(tmp_path):
         assert (one["engine"], two["engine"]) == (engine, engine)
         assert two["global_batch_rows"] == 2 * one["global_batch_rows"] == 4  # --batch_size 2 at accumulation 2
         for r in (one, two):
-            assert r["tokens_per_s"] > 0 and 0 < r["mfu_measured_peak"] < 1 and r["peak_mem_bytes"] > 0
+            assert r["tokens_per_s"] > 0 and r["peak_mem_bytes"] > 0
+            # MFU is the formula's flops over the environment step's matmul peak; it is not bounded by 1 here:
+            # the peak and the run are timed apart, and a CPU shared with another test can run either slower
+            assert r["mfu_measured_peak"] == pytest.approx(
+                r["flops_per_token"] * r["tokens_per_s"] / env_result["matmul_peak_flops"], rel=1e-6)
             assert r["peak_mem_bytes_estimated"] > 0  # the fit check's, next to the allocated peak on a GPU
             assert r["model_states_over_expected"] == pytest.approx(1, abs=0.02)
             assert r["flops_per_token"] == 6 * (r["num_params"] - 872 * 64) + 12 * 2 * 64 * 64
