@@ -22,7 +22,13 @@ import pytest  # noqa: E402
 
 # The launch ledger's hooks: every launch counted per test file against its budget in docs/TESTING.md, and every
 # temporary and cache folder of the tests' processes under pytest's root (tests/launch_ledger.py).
-from launch_ledger import RUN_NAME, note_shared_run, pytest_addoption, pytest_configure  # noqa: E402, F401
+from launch_ledger import (  # noqa: E402, F401
+    RUN_NAME,
+    note_shared_run,
+    pytest_addoption,
+    pytest_collection_modifyitems,
+    pytest_configure,
+)
 
 from zero_utils.launch.launcher import accelerate_launch_command, config_file, free_port  # noqa: E402
 

@@ -39,6 +39,8 @@ LEDGER_DIR = "ZERO_RECIPES_LEDGER_DIR"  # where each pytest process (controller,
 RUN_NAME = "ZERO_RECIPES_LEDGER_RUN"  # the name of a shared run (conftest's `runs`), for the duplicate check
 # The budget table: a row per test file, `| tests/<file>.py | <budget> | ...` (the first number is the budget).
 BUDGET_ROW = re.compile(r"^\|\s*`?([\w/]+\.py)`?\s*\|\s*(\d+)\s*\|", re.MULTILINE)
+# Its last column is the file's test seconds in the measured run: `| file | budget | 5 more numbers |`.
+SECONDS_ROW = re.compile(r"^\|\s*`?([\w/]+\.py)`?\s*\|(?:\s*\d+\s*\|){5}\s*(\d+)\s*\|\s*$", re.MULTILINE)
 
 
 def pytest_addoption(parser):
@@ -59,6 +61,19 @@ def note_shared_run(name: str) -> None:
 def read_budgets(path: str | Path) -> dict[str, int]:
     """{test file relative to the repository: launches allowed} from the Markdown table in `path`."""
     return {name: int(budget) for name, budget in BUDGET_ROW.findall(Path(path).read_text())}
+
+
+def read_file_seconds(path: str | Path) -> dict[str, int]:
+    """{test file relative to the repository: its tests' seconds in the measured run} from the table in `path`."""
+    return {name: int(seconds) for name, seconds in SECONDS_ROW.findall(Path(path).read_text())}
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The longest files first, by the budget table's test seconds (a file missing there last), each file's tests in
+    their order: two xdist workers that take whole files in this order (`--dist loadfile --no-loadscope-reorder`)
+    end within about one short file of each other, not with a long file started last running alone."""
+    seconds = read_file_seconds(config.getoption("launch_budgets"))
+    items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0], 0))  # stable: a file stays together
 
 
 def scratch_environment(root: Path) -> dict[str, str]:

@@ -343,8 +343,8 @@ OTHER_TOOLS_FLAGS = {"--nnodes", "--nproc_per_node", "--max_restarts", "--nodes"
                      "--no-deps", "--no-build-isolation", "--no-index", "--target", "--quiet", "--dry-run", "--report",
                      "--force-reinstall", "--index-url", "--extra-index-url", "--upgrade", "--only-binary",
                      "--platform", "--python-version", "--dest", "--user", "--basetemp", "--collect-only",
-                     "--junitxml", "--maxfail", "--lf", "--per_device_train_batch_size", "--dist", "--ignored",
-                     "--exclude"}
+                     "--junitxml", "--maxfail", "--lf", "--per_device_train_batch_size", "--dist",
+                     "--no-loadscope-reorder", "--ignored", "--exclude"}
 
 
 def _docs_pages() -> list[Path]:
