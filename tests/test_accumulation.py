@@ -76,7 +76,7 @@ def test_fsdp2_accumulation_peak_at_115m_params(runs, session_root):
     glibc keeps freed blocks under its dynamic mmap threshold on its heap, so both runs fix it at 64 KiB."""
     model = llama_115m(session_root / "llama-115m")
     env = {**isolated_env(session_root), "MALLOC_MMAP_THRESHOLD_": "65536"}
-    args = ("--model", model, "--max_steps", "3", "--seq_len", "64", "--per_device_batch_size", "1",
+    args = ("--model", model, "--max_steps", "2", "--seq_len", "64", "--per_device_batch_size", "1",
             "--eval_fraction", "0", "--max_new_tokens", "0", "--report_to", "none", "--warmup_steps", "0")
     peaks = {}
     for accumulation in (1, 4):

@@ -569,10 +569,10 @@ def greedy(model_dir, prompts):
 
 
 @pytest.fixture(scope="module")
-def flow(runs, session_root):
-    """The README's flow: SFT with recipes/llama_zero3.py (fsdp2.yaml as shipped, defaults), then
-    recipes/llama_dpo.py --model <its final/> on a local UltraFeedback-shaped parquet file."""
-    sft = runs("flow-sft", "--report_to", "none", "--max_new_tokens", "0", config="fsdp2").check()
+def flow(runs, sft_defaults, session_root):
+    """The README's flow: SFT with recipes/llama_zero3.py (fsdp2.yaml as shipped, defaults: conftest's
+    `sft_defaults`), then recipes/llama_dpo.py --model <its final/> on a local UltraFeedback-shaped parquet file."""
+    sft = sft_defaults
     data = ultrafeedback_like(session_root / "ultrafeedback_like.parquet")
     dpo = runs("flow-dpo", "--model", str(sft.output_dir / "final"), "--dataset", str(data), "--lr", "3e-4",
                "--sft_weight", "1.0", "--report_to", "none", "--max_new_tokens", "0", recipe=DPO, config="fsdp2",

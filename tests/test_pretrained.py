@@ -147,19 +147,23 @@ def test_one_process_trains_as_a_plain_pytorch_loop(fine_tune, pretrained, tmp_p
 
 @pytest.fixture(scope="module")
 def bf16_lr0(runs, pretrained):
-    """One bf16 step with lr 0 from the checkpoint, 2 ranks x 2 micro-batches of 2 rows."""
+    """One bf16 step with lr 0 from the checkpoint, 2 ranks x 2 micro-batches of 2 rows; FSDP2 with its non-default
+    wrapping (the last block resharded after forward, two blocks prefetched: when parameters are gathered, never
+    their values)."""
     def get(engine: str):
-        return runs(f"pt-bf16-lr0-{engine}", *ARGS, "--model", pretrained, "--per_device_batch_size", "2",
+        wrapping = ("--fsdp_reshard_last_block", "--fsdp_prefetch_blocks", "2") if engine == "fsdp2" else ()
+        return runs(f"pt-bf16-lr0-{engine}", *ARGS, *wrapping, "--model", pretrained, "--per_device_batch_size", "2",
                     "--gradient_accumulation_steps", "2", "--lr", "0", "--max_steps", "1", "--warmup_steps", "0",
                     config=engine, num_processes=2, mixed_precision="bf16").check()
     return get
 
 
-@pytest.mark.parametrize("engine", ["zero2", "zero3"])
-def test_deepspeed_bf16_starts_from_the_checkpoints_fp32_weights(bf16_lr0, pretrained, engine):
+@pytest.mark.parametrize("engine", ["zero2", "zero3", "fsdp2"])
+def test_bf16_starts_from_the_checkpoints_fp32_weights(bf16_lr0, pretrained, engine):
     """In bf16 DeepSpeed builds its fp32 master from the weights cast to bf16 (ZeRO-3 under zero.Init already at
     load time); the recipe sets it from the checkpoint's fp32 weights, as FSDP2 and DDP keep them. With lr 0 the
-    exported master after one step must be the checkpoint bit for bit (bf16-rounded it is ~1e-3 off)."""
+    exported master after one step must be the checkpoint bit for bit (bf16-rounded it is ~1e-3 off). FSDP2 loads
+    through rank 0 (it reads, the shards are broadcast), with its non-default wrapping flags."""
     run = bf16_lr0(engine)
     assert run.summary()["mixed_precision"] == "bf16"
     exported = load_file(run.output_dir / "final" / "model.safetensors")
