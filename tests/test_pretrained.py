@@ -167,7 +167,9 @@ def test_bf16_starts_from_the_checkpoints_fp32_weights(bf16_lr0, pretrained, eng
     run = bf16_lr0(engine)
     assert run.summary()["mixed_precision"] == "bf16"
     exported = load_file(run.output_dir / "final" / "model.safetensors")
-    for name, tensor in load_file(f"{pretrained}/model.safetensors").items():
+    original = load_file(f"{pretrained}/model.safetensors")
+    assert set(exported) == set(original)
+    for name, tensor in original.items():
         assert torch.equal(exported[name], tensor), name
 
 
