@@ -58,14 +58,28 @@ def note_shared_run(name: str) -> None:
             f.write(json.dumps({"event": "read", "run": name}) + "\n")
 
 
+def budget_table(path: str | Path) -> str:
+    """The budget table's lines in the Markdown file `path`: the first table with a test file's row. Later tables
+    (docs/TESTING.md's before/after per file) have rows of the same shape and must not be read as budgets."""
+    table: list[str] = []
+    for line in Path(path).read_text().splitlines():
+        if line.startswith("|"):
+            table.append(line)
+        elif table:
+            if BUDGET_ROW.search("\n".join(table)):
+                break
+            table = []
+    return "\n".join(table)
+
+
 def read_budgets(path: str | Path) -> dict[str, int]:
-    """{test file relative to the repository: launches allowed} from the Markdown table in `path`."""
-    return {name: int(budget) for name, budget in BUDGET_ROW.findall(Path(path).read_text())}
+    """{test file relative to the repository: launches allowed} from the budget table in `path`."""
+    return {name: int(budget) for name, budget in BUDGET_ROW.findall(budget_table(path))}
 
 
 def read_file_seconds(path: str | Path) -> dict[str, int]:
-    """{test file relative to the repository: its tests' seconds in the measured run} from the table in `path`."""
-    return {name: int(seconds) for name, seconds in SECONDS_ROW.findall(Path(path).read_text())}
+    """{test file relative to the repository: its tests' seconds in the measured run} from the budget table."""
+    return {name: int(seconds) for name, seconds in SECONDS_ROW.findall(budget_table(path))}
 
 
 def pytest_collection_modifyitems(session, config, items):
