@@ -7,9 +7,9 @@ one), and weight decay is 1.0, so a matrix left out of the decay group moves the
 
 from __future__ import annotations
 
-import math
 import time
 
+import plain_loop
 import pytest
 import torch
 from conftest import isolated_env
@@ -18,10 +18,8 @@ from safetensors.torch import load_file
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 ENGINES = ["ddp", "zero1", "zero2", "zero3", "fsdp2"]
-STEPS, LR, WARMUP, CLIP, WEIGHT_DECAY, SEQ_LEN, SEED = 4, 2e-3, 2, 0.5, 1.0, 64, 42
-ARGS = ("--max_steps", str(STEPS), "--lr", str(LR), "--warmup_steps", str(WARMUP), "--max_grad_norm", str(CLIP),
-        "--weight_decay", str(WEIGHT_DECAY), "--seq_len", str(SEQ_LEN), "--seed", str(SEED), "--eval_fraction", "0",
-        "--max_new_tokens", "0", "--report_to", "none")
+HYPER = plain_loop.Hyper(steps=4, global_batch=8, lr=2e-3, warmup=2, clip=0.5, weight_decay=1.0)
+ARGS = HYPER.flags()
 # The same tolerances as tests/test_zero_math.py (fp32, another reduction order across ranks).
 LOSS_RTOL, WEIGHT_ATOL = 1e-4, 1e-4
 
@@ -92,57 +90,19 @@ def test_every_matrix_decays_under_every_engine(fine_tune, pretrained, engine):
     vectors = [t for t in checkpoint.values() if t.dim() < 2]
     groups = fine_tune(engine).summary()["optimizer_param_groups"]
     assert groups == [
-        {"weight_decay": WEIGHT_DECAY, "tensors": len(matrices), "elements": sum(t.numel() for t in matrices)},
+        {"weight_decay": HYPER.weight_decay, "tensors": len(matrices), "elements": sum(t.numel() for t in matrices)},
         {"weight_decay": 0.0, "tensors": len(vectors), "elements": sum(t.numel() for t in vectors)}]
-
-
-def lr_at_step(step: int) -> float:
-    """The README's schedule, written out again: linear warmup, then cosine down to 10% of the peak."""
-    if step <= WARMUP:
-        return LR * step / WARMUP
-    progress = (step - WARMUP) / (STEPS - WARMUP)
-    return LR * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def test_one_process_trains_as_a_plain_pytorch_loop(fine_tune, pretrained, tmp_path):
     """An independent reference for a bug every engine would share: the recipe's losses and final weights equal a
     plain loop over the same packed rows (transformers model, torch AdamW, mean token cross-entropy, clipping)."""
-    from types import SimpleNamespace
-
-    import torch.nn.functional as F
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from zero_utils.data import prepared_rows  # only to read the same packed rows, in the same order
-    from zero_utils.data import training as data
-
-    tokenizer = AutoTokenizer.from_pretrained(pretrained)
-    rows, _, _ = prepared_rows.prepare_rows(SimpleNamespace(is_main_process=True, num_processes=1), tokenizer,
-                                            data.BUNDLED_DATASET, seq_len=SEQ_LEN, eval_fraction=0.0, seed=SEED,
-                                            column_map=None, cache_root=tmp_path / "rows",
-                                            pad_token_id=data.pad_token_id_within(tokenizer, len(tokenizer) - 1))
-    model = AutoModelForCausalLM.from_pretrained(pretrained, dtype=torch.float32).train()
-    params = list(model.parameters())
-    optimizer = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": WEIGHT_DECAY},
-                                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-                                  lr=LR, betas=(0.9, 0.95), eps=1e-8)
-    plain_losses = []
-    for step in range(1, STEPS + 1):
-        batch = rows[data.global_batch_indices(len(rows), 8, step, SEED)]
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at_step(step)
-        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
-        loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        optimizer.step()
-        optimizer.zero_grad()
-        plain_losses.append(loss.item())
+    plain_losses, _, model = plain_loop.train(pretrained, HYPER, tmp_path / "rows")
     recipe = fine_tune("single")
     assert losses(recipe) == pytest.approx(plain_losses, rel=1e-5)
     exported = load_file(recipe.output_dir / "final" / "model.safetensors")
     for name, param in model.named_parameters():
         torch.testing.assert_close(exported[name], param.detach(), rtol=0, atol=1e-5, msg=name)
-
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,79 @@
+"""An independent reference for the recipes' training: a plain PyTorch loop, written here, over the same packed rows.
+
+transformers' model called as a user would (`input_ids`, `position_ids`, whole logits), torch's AdamW with the
+recipe's two groups (matrices decayed, vectors not), mean token cross-entropy over the global batch, clipping by
+the gradient norm (summed in fp64), and the README's schedule written out again: linear warmup, then cosine down to
+10% of the peak.
+Only the rows and their order are read through zero_utils, so a bug every engine shares shows against it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+
+@dataclass(frozen=True)
+class Hyper:
+    """The run's settings; `flags()` gives them as the recipe's command line."""
+    steps: int
+    global_batch: int
+    lr: float = 2e-3
+    warmup: int = 1
+    clip: float = 0.5
+    weight_decay: float = 0.1
+    seq_len: int = 64
+    seed: int = 42
+
+    def flags(self) -> tuple[str, ...]:
+        return ("--max_steps", str(self.steps), "--lr", str(self.lr), "--warmup_steps", str(self.warmup),
+                "--max_grad_norm", str(self.clip), "--weight_decay", str(self.weight_decay), "--seq_len",
+                str(self.seq_len), "--seed", str(self.seed), "--eval_fraction", "0", "--max_new_tokens", "0",
+                "--report_to", "none")
+
+    def lr_at_step(self, step: int) -> float:
+        if step <= self.warmup:
+            return self.lr * step / self.warmup
+        progress = (step - self.warmup) / (self.steps - self.warmup)
+        return self.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def train(model_dir: str, hyper: Hyper, cache_root: Path):
+    """Train the saved fp32 model in `model_dir` for `hyper.steps` steps of the bundled data; returns (losses,
+    gradient norms before clipping, the trained model)."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from zero_utils.data import prepared_rows
+    from zero_utils.data import training as data
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).train()
+    rows, _, _ = prepared_rows.prepare_rows(
+        SimpleNamespace(is_main_process=True, num_processes=1), tokenizer, data.BUNDLED_DATASET,
+        seq_len=hyper.seq_len, eval_fraction=0.0, seed=hyper.seed, column_map=None, cache_root=cache_root,
+        pad_token_id=data.pad_token_id_within(tokenizer, model.get_input_embeddings().num_embeddings))
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": hyper.weight_decay},
+                                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                                  lr=hyper.lr, betas=(0.9, 0.95), eps=1e-8)
+    losses, grad_norms = [], []
+    for step in range(1, hyper.steps + 1):
+        batch = rows[data.global_batch_indices(len(rows), hyper.global_batch, step, hyper.seed)]
+        for group in optimizer.param_groups:
+            group["lr"] = hyper.lr_at_step(step)
+        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(), ignore_index=-100)
+        loss.backward()
+        # torch's clip_grad_norm_, with the norm summed in fp64: in fp32 a 2M-element embedding's is 1e-5 off
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad.double()) for p in params]))
+        for p in params:
+            p.grad.mul_(torch.clamp(hyper.clip / (norm + 1e-6), max=1.0).float())
+        grad_norms.append(norm.item())
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, grad_norms, model
