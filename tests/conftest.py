@@ -18,6 +18,7 @@ CALLER_VARIABLES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "WANDB_MODE", "TOKE
 for _name in CALLER_VARIABLES:
     os.environ.pop(_name, None)
 
+import plain_loop  # noqa: E402
 import pytest  # noqa: E402
 
 # The launch ledger's hooks: every launch counted per test file against its budget in docs/TESTING.md, and every
@@ -189,10 +190,10 @@ def runs(session_root):
 
 
 # The 8-step fp32 runs on a 3.3M-parameter model that the memory, equivalence and checkpoint tests share: global
-# batch 8 rows of 64 tokens, checkpoints at steps 4 and 8, clipping at 0.5 active on every step.
-EIGHT_STEPS = ("--max_steps", "8", "--save_every", "4", "--seq_len", "64", "--max_grad_norm", "0.5",
-               "--warmup_steps", "2", "--lr", "2e-3", "--eval_fraction", "0", "--max_new_tokens", "0",
-               "--report_to", "none")
+# batch 8 rows of 64 tokens, checkpoints at steps 4 and 8, clipping at 0.5 active on every step; the plain loop
+# (tests/plain_loop.py) trains the same steps in process (`layout_plain`).
+EIGHT_STEPS_HYPER = plain_loop.Hyper(steps=8, global_batch=8, lr=2e-3, warmup=2, clip=0.5)
+EIGHT_STEPS = (*EIGHT_STEPS_HYPER.flags(), "--save_every", "4")
 
 
 def llama_from_config(path: Path, **sizes) -> str:
@@ -217,6 +218,13 @@ def small_model(session_root) -> str:
     return llama_from_config(session_root / "small-llama", hidden_size=256, intermediate_size=688,
                              num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                              max_position_embeddings=512)
+
+
+@pytest.fixture(scope="session")
+def layout_plain(small_model, tmp_path_factory):
+    """The plain loop's (losses, gradient norms, trained model) for the shared 8-step runs, in process: the small
+    model's folder holds only a config, so the weights are drawn from the seed as the recipe draws them."""
+    return plain_loop.train(small_model, EIGHT_STEPS_HYPER, tmp_path_factory.mktemp("layout-plain-rows"))
 
 
 @pytest.fixture(scope="session")

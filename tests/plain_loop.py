@@ -41,17 +41,24 @@ class Hyper:
 
 
 def train(model_dir: str, hyper: Hyper, cache_root: Path):
-    """Train the saved fp32 model in `model_dir` for `hyper.steps` steps of the bundled data; returns (losses,
-    gradient norms before clipping, the trained model)."""
+    """Train the fp32 model in `model_dir` for `hyper.steps` steps of the bundled data; returns (losses, gradient
+    norms before clipping, the trained model). A folder with only a config starts from random weights drawn right
+    after seeding with `hyper.seed`, as the recipes document for it (zero_utils.model.loading.load_causal_lm)."""
     import torch
     import torch.nn.functional as F
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from accelerate.utils import set_seed
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from zero_utils.data import prepared_rows
     from zero_utils.data import training as data
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).train()
+    if list(Path(model_dir).glob("*.safetensors")):
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    else:
+        set_seed(hyper.seed)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32)
+    model.train()
     rows, _, _ = prepared_rows.prepare_rows(
         SimpleNamespace(is_main_process=True, num_processes=1), tokenizer, data.BUNDLED_DATASET,
         seq_len=hyper.seq_len, eval_fraction=0.0, seed=hyper.seed, column_map=None, cache_root=cache_root,
@@ -77,3 +84,22 @@ def train(model_dir: str, hyper: Hyper, cache_root: Path):
         optimizer.zero_grad()
         losses.append(loss.item())
     return losses, grad_norms, model
+
+
+def assert_trains_as(run, plain, weights: str = "final/model.safetensors") -> None:
+    """A recipe run (`conftest.Run`, fp32) trained as the plain loop did (`train`'s result): losses, gradient norms
+    and final weights within 1e-4 (another reduction order across ranks: tests/test_zero_math.py's tolerances), the
+    step-1 gradient norm, from the same weights, within 1e-6. A lost or double-counted chunk, block or rank moves
+    them by percents."""
+    import pytest
+    import torch
+    from safetensors.torch import load_file
+
+    losses, grad_norms, model = plain
+    metrics = run.metrics()
+    assert [m["loss"] for m in metrics] == pytest.approx(losses, rel=1e-4)
+    assert metrics[0]["grad_norm"] == pytest.approx(grad_norms[0], rel=1e-6)
+    assert [m["grad_norm"] for m in metrics] == pytest.approx(grad_norms, rel=1e-4)
+    exported = load_file(run.output_dir / weights)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(exported[name], param.detach(), rtol=0, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}")

@@ -90,24 +90,6 @@ def family_model(session_root):
     return get
 
 
-def assert_trains_as_the_plain_loop(run, plain, model) -> None:
-    """A 2-rank run trained as the plain loop did (fp32, another reduction order: tests/test_zero_math.py's
-    tolerances): losses, gradient norms and final weights within 1e-4, the step-1 gradient norm (the same weights)
-    within 1e-6; a lost or double-counted chunk, block or rank
-    moves them by percents."""
-    import torch
-    from safetensors.torch import load_file
-
-    losses, grad_norms, _ = plain
-    metrics = run.metrics()
-    assert [m["loss"] for m in metrics] == pytest.approx(losses, rel=1e-4)
-    assert metrics[0]["grad_norm"] == pytest.approx(grad_norms[0], rel=1e-6)
-    assert [m["grad_norm"] for m in metrics] == pytest.approx(grad_norms, rel=1e-4)
-    exported = load_file(run.output_dir / "final" / "model.safetensors")
-    for name, param in model.named_parameters():
-        torch.testing.assert_close(exported[name], param.detach(), rtol=0, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
-
-
 @pytest.fixture(scope="module")
 def family_plain(family_model, tmp_path_factory):
     """`family_plain(family)`: the plain loop's (losses, gradient norms, trained model) for FAMILY_HYPER."""
@@ -121,23 +103,18 @@ def family_plain(family_model, tmp_path_factory):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_every_family_shards_block_by_block_and_trains_as_a_plain_loop(runs, run_layout, family_model, family_plain,
-                                                                        family):
+def test_every_family_shards_block_by_block_and_trains_as_a_plain_loop(run_layout, layout_plain, runs, family_model,
+                                                                        family_plain, family):
     """FSDP2 wraps each decoder block of every family as its own unit and trains it as a plain PyTorch loop does
-    (tests/plain_loop.py). Llama: the 4-block model every engine test trains, against one process (the plain loop
-    checks one process in tests/test_pretrained.py)."""
+    (tests/plain_loop.py, in process). Llama: the shared 4-block run every engine test reads."""
     if family == "llama":
-        sharded, single = run_layout("fsdp2", 2, 4, 1), run_layout("single", 1, 8, 1)
-        assert [m["loss"] for m in sharded.metrics()] == pytest.approx([m["loss"] for m in single.metrics()],
-                                                                       rel=1e-4)
-        block, blocks = "LlamaDecoderLayer", 4
+        sharded, plain, block, blocks = run_layout("fsdp2", 2, 4, 1), layout_plain, "LlamaDecoderLayer", 4
     else:
         model, block, _ = family_model(family)
         sharded = runs(f"family-{family}-fsdp2", *FAMILY_ARGS, "--model", model, config="fsdp2",
                        mixed_precision="no").check()
-        plain = family_plain(family)
-        assert_trains_as_the_plain_loop(sharded, plain, plain[2])
-        blocks = 2
+        plain, blocks = family_plain(family), 2
+    plain_loop.assert_trains_as(sharded, plain)
     assert all(loss == loss and loss < 100 for loss in (m["loss"] for m in sharded.metrics()))
     for evidence in sharded.summary()["sharding_per_rank"]:
         assert evidence["fsdp_units"].get(block) == blocks  # each block is its own FSDP unit
@@ -232,5 +209,4 @@ def test_tied_head_chunked_loss_trains_as_the_whole_logits(runs, family_model, f
     chunked = runs(f"family-gemma-{engine}", *FAMILY_ARGS, "--model", model, config=engine,
                    mixed_precision="no").check()
     assert "the loss uses the whole logits instead" not in chunked.output  # the head really ran in chunks
-    plain = family_plain("gemma")
-    assert_trains_as_the_plain_loop(chunked, plain, plain[2])
+    plain_loop.assert_trains_as(chunked, family_plain("gemma"))
