@@ -73,18 +73,18 @@ def test_every_test_file_has_a_launch_budget_and_every_budget_a_file():
 
 @pytest.mark.unit
 def test_budgets_and_seconds_come_from_the_budget_table_not_a_later_table_of_the_same_shape(tmp_path):
-    # docs/TESTING.md's per-file before/after table has rows `| tests/x.py | 6 numbers |` too: read as budgets, it
+    # docs/TESTING.md's per-file before/after table has rows `| <file> | 6 numbers |` too: read as budgets, it
     # set test_benchmarks.py's budget to its 9 tests and failed CI (stop 82).
     doc = tmp_path / "TESTING.md"
     doc.write_text("# Tests\n\n| a | b |\n|---|---|\n| x | 1 |\n\n"
                    "| test file | budget | tests | launches | processes | launch s | test s |\n"
                    "|---|---|---|---|---|---|---|\n"
-                   "| tests/test_a.py | 18 | 9 | 18 | 29 | 308 | 410 |\n"
-                   "| tests/test_b.py | 0 | 3 | 0 | 0 | 0 | 35 |\n\n"
+                   "| suite/test_a.py | 18 | 9 | 18 | 29 | 308 | 410 |\n"
+                   "| suite/test_b.py | 0 | 3 | 0 | 0 | 0 | 35 |\n\n"
                    "## Later\n\n| test file | before | after | launches before | after | s before | s after |\n"
-                   "|---|---|---|---|---|---|---|\n| tests/test_a.py | 9 | 9 | 20 | 18 | 500 | 444 |\n")
-    assert read_budgets(doc) == {"tests/test_a.py": 18, "tests/test_b.py": 0}
-    assert read_file_seconds(doc) == {"tests/test_a.py": 410, "tests/test_b.py": 35}
+                   "|---|---|---|---|---|---|---|\n| suite/test_a.py | 9 | 9 | 20 | 18 | 500 | 444 |\n")
+    assert read_budgets(doc) == {"suite/test_a.py": 18, "suite/test_b.py": 0}
+    assert read_file_seconds(doc) == {"suite/test_a.py": 410, "suite/test_b.py": 35}
 
 
 @pytest.mark.unit
