@@ -42,7 +42,7 @@ def test_a_weight_draws_what_alignment_handbook_draws():
         upstream = ds.shuffle(seed=42).select(range(int(len(ds) * weight)))["i"]
         assert drawn_indices(1000, weight, seed=42) == upstream, weight
     assert drawn_indices(1000, 0.3, seed=42) != drawn_indices(1000, 0.3, seed=43)
-    assert drawn_indices(1000, 0.3, seed=42) == drawn_indices(1000, 0.3, seed=42)
+    assert drawn_indices(1000, 0.3, seed=42)[:8] == [978, 933, 859, 916, 127, 608, 856, 260]  # pinned: any process
     over = drawn_indices(1000, 2.5, seed=7)
     assert len(over) == 2500 and over[:2000] == list(range(1000)) * 2
     assert over[2000:] == ds.shuffle(seed=7).select(range(500))["i"]
