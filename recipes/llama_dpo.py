@@ -63,6 +63,7 @@ from zero_utils.preference.loss import (
     LOSSES,
     answer_log_probs,
     averages_log_probs,
+    learning_rate,
     objective_sum,
     pair_scores,
     resolve,
@@ -98,7 +99,8 @@ class Settings:
     per_device_batch_size: int = flag(8, "pairs per process per micro-step (2 rows each)", min=1)
     gradient_accumulation_steps: int = flag(1, "micro-steps per optimizer step", min=1)
     seq_len: int = flag(128, "the most tokens of prompt + answer kept", min=8)
-    lr: float = flag(1e-3, "peak learning rate", min=0.0)
+    lr: float | None = flag(None, "peak learning rate (default: 1e-3 for a model with only a config, such as the "
+                                  "bundled one; pretrained weights need it given, e.g. 5e-7)", min=0.0)
     weight_decay: float = flag(0.0, "AdamW weight decay on matrices", min=0.0)
     adam_beta1: float = flag(0.9, "AdamW's first-moment decay", min=0.0, below=1.0)
     adam_beta2: float = flag(0.95, "AdamW's second-moment decay (transformers and torch default: 0.999)", min=0.0,
@@ -143,6 +145,7 @@ class Settings:
 
 
 def main(cfg: Settings) -> None:
+    cfg.lr = learning_rate(cfg.lr, cfg.model)  # not given: 1e-3 for a config-only model; pretrained: one sentence
     beta, reference_mode = resolve(cfg.loss, cfg.beta, cfg.reference)  # a loss without its reference: one sentence
     # ------------------------------------------------------------------------------ accelerator and engine
     accelerator, engine = build_accelerator(  # the engine is what the YAML decided

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from zero_utils.preference.loss import answer_log_probs, objective_sum, pair_scores, resolve
+from zero_utils.preference.loss import answer_log_probs, learning_rate, objective_sum, pair_scores, resolve
 from zero_utils.run.errors import UserError
 
 # ---------------------------------------------------------------------------------------------- in process
@@ -74,6 +74,36 @@ def test_reference_and_beta_follow_the_loss():
         resolve("sigmoid", 0.0, "none")
     with pytest.raises(UserError, match="--loss simpo is reference-free"):
         resolve("simpo", 0.0, "model")
+
+
+def test_lr_not_given_is_1e_3_for_a_config_only_model_and_refused_for_pretrained_weights(tmp_path):
+    """The README's demo (the bundled model, random weights) learns at --lr 1e-3 without naming it; the same default
+    on pretrained weights would destroy them, so a DPO recipe given pretrained weights and no --lr stops before any
+    work with the preset's rate (presets/zephyr-7b-dpo-full.yaml) in its sentence. Both DPO recipes default to it."""
+    import runpy
+
+    import yaml
+    from conftest import REPO
+
+    from zero_utils.launch.cli import parse_settings
+    from zero_utils.model.loading import BUNDLED_MODEL
+
+    assert not any(Path(BUNDLED_MODEL).glob("*.safetensors"))  # the bundled model holds only a config
+    assert learning_rate(None, BUNDLED_MODEL) == 1e-3
+    preset_lr = yaml.safe_load((REPO / "presets/zephyr-7b-dpo-full.yaml").read_text())["lr"]
+    suggested = f"{preset_lr:.0e}".replace("e-0", "e-")  # 5e-7
+    (tmp_path / "pretrained").mkdir()
+    (tmp_path / "pretrained" / "model.safetensors").write_bytes(b"")
+    for model in (str(tmp_path / "pretrained"), "HuggingFaceH4/mistral-7b-sft-beta"):  # a Hub id: weights too
+        with pytest.raises(UserError, match=rf"^--lr is not given, and its default 0.001 .* would destroy the "
+                                            rf"pretrained weights of --model {model} within a few steps: pass --lr, "
+                                            rf"e.g. {suggested} as presets/zephyr-7b-dpo-full.yaml does.$"):
+            learning_rate(None, model)
+        assert learning_rate(5e-7, model) == 5e-7 and learning_rate(0.0, model) == 0.0  # given: kept, 0 too
+    for recipe in ("recipes/llama_dpo.py", "recipes/llama_dpo_lora.py"):
+        settings = runpy.run_path(str(REPO / recipe), run_name="lr_test")["Settings"]
+        assert parse_settings(settings, []).lr is None
+        assert parse_settings(settings, ["--config", str(REPO / "presets/zephyr-7b-dpo-full.yaml")]).lr == preset_lr
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,13 @@ BUNDLED_MODEL = str(Path(__file__).resolve().parents[1] / "assets" / "tiny-llama
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 
 
+def has_pretrained_weights(name_or_path: str) -> bool:
+    """Whether `--model` names pretrained weights: a Hub id, or a local folder holding safetensors weights; False for
+    a local folder with only a config (the bundled model: the recipes draw its weights from the seed)."""
+    local = _check_local(name_or_path)
+    return local is None or not local.is_dir() or any((local / f).exists() for f in _WEIGHT_FILES)
+
+
 def _check_local(name_or_path: str) -> Path | None:
     path = Path(name_or_path).expanduser()
     if path.exists():

@@ -51,6 +51,26 @@ def resolve(loss: str, beta: float, reference: str, *, lora: bool = False) -> tu
     return (beta or DEFAULT_BETA[loss]), (reference or "model") if wants else "none"
 
 
+# --lr when it is not given: the bundled model learns its preferences from random weights at this rate; pretrained
+# weights it destroys within a few steps (alignment-handbook's zephyr DPO: 5e-7; trl's DPOTrainer default: 1e-6).
+CONFIG_ONLY_LR = 1e-3
+
+
+def learning_rate(lr: float | None, model: str) -> float:
+    """--lr as given; when it is not (None): CONFIG_ONLY_LR for a model with only a config, such as the bundled one,
+    and a `UserError` for pretrained weights, whose rate must be chosen (DPO of a pretrained model takes 1e-7 to 1e-6,
+    about 1000x less)."""
+    from zero_utils.model.loading import has_pretrained_weights
+
+    if lr is not None:
+        return lr
+    if has_pretrained_weights(model):
+        raise UserError(f"--lr is not given, and its default {CONFIG_ONLY_LR:g} (for the bundled model's random "
+                        f"weights) would destroy the pretrained weights of --model {model} within a few steps: pass "
+                        "--lr, e.g. 5e-7 as presets/zephyr-7b-dpo-full.yaml does.")
+    return CONFIG_ONLY_LR
+
+
 def averages_log_probs(loss: str) -> bool:
     """Whether `loss` scores an answer by its mean token log-prob (ipo, simpo) rather than the sum (sigmoid)."""
     return loss in ("ipo", "simpo")
