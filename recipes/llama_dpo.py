@@ -179,7 +179,7 @@ def main(cfg: Settings) -> None:
 
     # ------------------------------------------------------------------------------ reference
     def hold_reference():  # the starting weights again (a config-only model: the same seed), frozen, engine-sharded
-        set_seed(cfg.seed)
+        set_seed(checkpointer.init_seed)  # the seed of the run's start, also on a resume with another --seed
         return ReferenceModel.hold(
             load_causal_lm(cfg.model, accelerator=accelerator, attn_implementation=cfg.attn_implementation or None,
                            trust_remote_code=cfg.trust_remote_code, revision=cfg.revision), accelerator, engine,
@@ -191,7 +191,7 @@ def main(cfg: Settings) -> None:
                                                  revision=cfg.revision, attn_implementation=cfg.attn_implementation)
 
     # ------------------------------------------------------------------------------ policy, parallelize, prepare
-    set_seed(cfg.seed)  # the policy's and the reference's random init (a config-only model) draw the same weights
+    set_seed(checkpointer.init_seed)  # the policy and the reference (a config-only model) draw the same weights
     model = load_causal_lm(cfg.model, accelerator=accelerator, attn_implementation=cfg.attn_implementation or None,
                            trust_remote_code=cfg.trust_remote_code, revision=cfg.revision)
     num_params = count_parameters(model, trainable_only=True)

@@ -183,7 +183,7 @@ def main(cfg: Settings) -> None:
     checkpointer.check(model_config, pairs.global_batch_pairs)  # an incompatible checkpoint fails here
 
     # ------------------------------------------------------------------------------ policy, parallelize, prepare
-    set_seed(cfg.seed)  # [LoRA] a config-only model's random init and the adapters' draw the same on every rank
+    set_seed(checkpointer.init_seed)  # [LoRA] a config-only base and the adapters: the same draw on every rank
     model = load_causal_lm(cfg.model, accelerator=accelerator, attn_implementation=cfg.attn_implementation or None,
                            trust_remote_code=cfg.trust_remote_code, revision=cfg.revision)
     model = get_peft_model(model, lora_config)  # [LoRA] freezes the base, adds the adapters (before any sharding)
@@ -285,7 +285,8 @@ def main(cfg: Settings) -> None:
             final = f"{cfg.output_dir}/final"  # [LoRA]
             accelerator.unwrap_model(model).save_pretrained(final, state_dict=adapter_state)  # [LoRA]
             tokenizer.save_pretrained(final)  # [LoRA]
-            if cfg.merge:  # [LoRA] the base from disk plus the adapters
+            if cfg.merge:  # [LoRA] the base the run trained (from disk, or drawn again from its seed) + the adapters
+                set_seed(checkpointer.init_seed)  # [LoRA] a config-only base: the weights the run started from
                 with zero3_init_disabled(accelerator):  # [LoRA]
                     merged = get_peft_model(load_causal_lm(cfg.model, revision=cfg.revision), lora_config)  # [LoRA]
                 if merged.load_state_dict(adapter_state, strict=False).unexpected_keys:  # [LoRA]

@@ -13,8 +13,9 @@ Features, the flag that controls each, and its cost:
                 of the blocks, any model family); trainable parameters and their optimizer state are r-sized
     QLoRA       --qlora: 4-bit base weights through bitsandbytes, CUDA GPUs only (untested here: no GPU in CI)
     export      final/ = the PEFT adapter (adapter_config.json + adapter_model.safetensors): only the trainable
-                tensors are gathered, one at a time; --merge also writes final/merged/, the base with the
-                adapters merged in (on the main process, from the base model on disk)
+                tensors are gathered, one at a time; --merge also writes final/merged/, the base the run trained
+                with the adapters merged in (on the main process: the base read from disk again, or for a --model
+                with only a config drawn again from the run's seed)
     offloading  --activation_offloading (with --gradient_checkpointing) as in llama_zero3.py
     fit check   as in llama_zero3.py, counting only the adapters as trained; with --qlora it warns, never stops
                 (its 4-bit base is estimated as 16-bit)
@@ -164,6 +165,7 @@ def main(cfg: Settings) -> None:
     checkpointer.check(model_config, train_data.global_batch_rows)  # an incompatible checkpoint fails here
 
     # ------------------------------------------------------------------------------ model, parallelize
+    set_seed(checkpointer.init_seed)  # [LoRA] a config-only base: the weights the merge draws again
     model = load_causal_lm(cfg.model, accelerator=accelerator, attn_implementation=attn_implementation or None,
                            trust_remote_code=cfg.trust_remote_code, revision=cfg.revision,  # [LoRA]
                            quantization_config=quantization_config(cfg.qlora))  # [LoRA] QLoRA: 4-bit base
@@ -254,7 +256,8 @@ def main(cfg: Settings) -> None:
             final = f"{cfg.output_dir}/final"  # [LoRA]
             accelerator.unwrap_model(model).save_pretrained(final, state_dict=adapter_state)  # [LoRA]
             tokenizer.save_pretrained(final)  # [LoRA]
-            if cfg.merge:  # [LoRA] the base from disk plus the adapters
+            if cfg.merge:  # [LoRA] the base the run trained (from disk, or drawn again from its seed) + the adapters
+                set_seed(checkpointer.init_seed)  # [LoRA] a config-only base: the weights the run started from
                 with zero3_init_disabled(accelerator):  # [LoRA]
                     merged = get_peft_model(load_causal_lm(cfg.model, revision=cfg.revision), lora_config)  # [LoRA]
                 if merged.load_state_dict(adapter_state, strict=False).unexpected_keys:  # [LoRA]

@@ -40,6 +40,38 @@ class Hyper:
         return self.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def bundled_rows(model_dir: str, model, seq_len: int, seed: int, eval_fraction: float, cache_root: Path):
+    """(train, eval) packed rows of the bundled SFT data as a recipe prepares them for `model` with `model_dir`'s
+    tokenizer (eval None when `eval_fraction` is 0)."""
+    from transformers import AutoTokenizer
+
+    from zero_utils.data import prepared_rows
+    from zero_utils.data import training as data
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    train_rows, eval_rows, _ = prepared_rows.prepare_rows(
+        SimpleNamespace(is_main_process=True, num_processes=1), tokenizer, data.BUNDLED_DATASET, seq_len=seq_len,
+        eval_fraction=eval_fraction, seed=seed, column_map=None, cache_root=cache_root,
+        pad_token_id=data.pad_token_id_within(tokenizer, model.get_input_embeddings().num_embeddings))
+    return train_rows, eval_rows
+
+
+def mean_token_loss(model, rows, batch_rows: int = 16) -> float:
+    """The mean cross-entropy over every answer token of `rows` (a recipe's eval loss), whole logits, fp32."""
+    import torch
+    import torch.nn.functional as F
+
+    total, tokens = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, len(rows), batch_rows):
+            batch = rows[start:start + batch_rows]
+            logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+            labels = batch["labels"].flatten()
+            total += F.cross_entropy(logits.flatten(0, 1).float(), labels, ignore_index=-100, reduction="sum").item()
+            tokens += int((labels != -100).sum())
+    return total / tokens
+
+
 def train(model_dir: str, hyper: Hyper, cache_root: Path):
     """Train the fp32 model in `model_dir` for `hyper.steps` steps of the bundled data; returns (losses, gradient
     norms before clipping, the trained model). A folder with only a config starts from random weights drawn right
@@ -47,22 +79,17 @@ def train(model_dir: str, hyper: Hyper, cache_root: Path):
     import torch
     import torch.nn.functional as F
     from accelerate.utils import set_seed
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    from zero_utils.data import prepared_rows
     from zero_utils.data import training as data
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if list(Path(model_dir).glob("*.safetensors")):
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     else:
         set_seed(hyper.seed)
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32)
     model.train()
-    rows, _, _ = prepared_rows.prepare_rows(
-        SimpleNamespace(is_main_process=True, num_processes=1), tokenizer, data.BUNDLED_DATASET,
-        seq_len=hyper.seq_len, eval_fraction=0.0, seed=hyper.seed, column_map=None, cache_root=cache_root,
-        pad_token_id=data.pad_token_id_within(tokenizer, model.get_input_embeddings().num_embeddings))
+    rows, _ = bundled_rows(model_dir, model, hyper.seq_len, hyper.seed, 0.0, cache_root)
     params = list(model.parameters())
     optimizer = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": hyper.weight_decay},
                                    {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],

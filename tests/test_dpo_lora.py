@@ -116,10 +116,9 @@ def test_engines_and_accumulation_train_as_fsdp2_does(dpo_lora_run, other):
     assert reference.metrics()[-1]["reward_margin"] > 0  # trained: the comparison is not of zeros
 
 
-def held_out_scores(model, tokenizer, beta: float, seq_len: int) -> dict:
-    """The sigmoid DPO loss and rewards of the HELD_OUT test pairs, one pair at a time, unpadded: the policy is
-    `model` (a PeftModel), its reference the same model inside PEFT's `disable_adapter`; log-probabilities summed over
-    each answer's tokens from the model's logits (Rafailov et al. eq. 7)."""
+def held_out_log_probs(model, tokenizer, seq_len: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(chosen, rejected) summed answer log-probabilities of each HELD_OUT test pair under `model`, one pair at a
+    time, unpadded, from the model's logits (Rafailov et al. eq. 7)."""
     from datasets import load_dataset
 
     from zero_utils.data.sft_examples import IGNORE_INDEX
@@ -133,20 +132,26 @@ def held_out_scores(model, tokenizer, beta: float, seq_len: int) -> dict:
         return torch.log_softmax(logits[kept], -1).gather(-1, labels[kept].unsqueeze(-1)).sum()
 
     rows = load_dataset("json", data_files=BUNDLED_PREFERENCES, split="train").select(range(HELD_OUT))
-    sums = {"loss": 0.0, "reward_chosen": 0.0, "reward_rejected": 0.0, "reward_margin": 0.0, "reward_accuracy": 0.0}
     with torch.no_grad():
-        for row in rows:
-            pair = tokenize_pair(tokenizer, row["prompt"], row["chosen"], row["rejected"], seq_len)
-            sides = ("chosen", "rejected")
-            policy = [answer_log_prob(pair[f"{s}_ids"], pair[f"{s}_labels"]) for s in sides]
-            with model.disable_adapter():
-                base = [answer_log_prob(pair[f"{s}_ids"], pair[f"{s}_labels"]) for s in sides]
-            chosen, rejected = (beta * (p - b) for p, b in zip(policy, base, strict=True))
-            for key, value in (("loss", -torch.nn.functional.logsigmoid(chosen - rejected)), ("reward_chosen", chosen),
-                               ("reward_rejected", rejected), ("reward_margin", chosen - rejected),
-                               ("reward_accuracy", float(chosen > rejected))):
-                sums[key] += float(value)
-    return {key: value / len(rows) for key, value in sums.items()}
+        pairs = [tokenize_pair(tokenizer, row["prompt"], row["chosen"], row["rejected"], seq_len) for row in rows]
+        return [tuple(answer_log_prob(pair[f"{s}_ids"], pair[f"{s}_labels"]) for s in ("chosen", "rejected"))
+                for pair in pairs]
+
+
+def held_out_scores(model, tokenizer, beta: float, seq_len: int) -> dict:
+    """The sigmoid DPO loss and rewards of the HELD_OUT test pairs (`held_out_log_probs`): the policy is `model` (a
+    PeftModel), its reference the same model inside PEFT's `disable_adapter`."""
+    policy = held_out_log_probs(model, tokenizer, seq_len)
+    with model.disable_adapter():
+        base = held_out_log_probs(model, tokenizer, seq_len)
+    sums = {"loss": 0.0, "reward_chosen": 0.0, "reward_rejected": 0.0, "reward_margin": 0.0, "reward_accuracy": 0.0}
+    for pair_policy, pair_base in zip(policy, base, strict=True):
+        chosen, rejected = (beta * (p - b) for p, b in zip(pair_policy, pair_base, strict=True))
+        for key, value in (("loss", -torch.nn.functional.logsigmoid(chosen - rejected)), ("reward_chosen", chosen),
+                           ("reward_rejected", rejected), ("reward_margin", chosen - rejected),
+                           ("reward_accuracy", float(chosen > rejected))):
+            sums[key] += float(value)
+    return {key: value / len(policy) for key, value in sums.items()}
 
 
 @pytest.mark.distributed
@@ -173,3 +178,24 @@ def test_the_reloaded_adapter_scores_the_held_out_pairs_as_the_final_eval_and_me
     with torch.no_grad():
         torch.testing.assert_close(merged.eval()(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-4,
                                    atol=1e-4)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_merge_of_a_config_only_base_is_the_trained_model(runs, session_root, pairs_with_a_test_split):
+    """The bundled model holds only a config, so the run draws its base from the seed; --merge must merge the
+    adapters into that base, not into another draw: final/merged/, loaded with transformers alone, gives the
+    held-out pairs (computed here) the chosen and rejected log-probs of the run's own final eval (ZeRO-3, fp32)."""
+    from conftest import isolated_env
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    run = runs("dpo-lora-zero3-config-only-merge", "--dataset", pairs_with_a_test_split, *FOUR_STEPS, "--merge",
+               "--per_device_batch_size", "4", recipe=DPO_LORA, config="zero3", mixed_precision="no",
+               env=isolated_env(session_root)).check()
+    summary, merged_dir = run.summary(), run.output_dir / "final" / "merged"
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir).eval()
+    log_probs = held_out_log_probs(merged, AutoTokenizer.from_pretrained(merged_dir), summary["seq_len"])
+    chosen, rejected = (sum(float(pair[i]) for pair in log_probs) / len(log_probs) for i in (0, 1))
+    assert chosen == pytest.approx(summary["eval_logps_chosen"], rel=1e-5)
+    assert rejected == pytest.approx(summary["eval_logps_rejected"], rel=1e-5)
+    assert abs(summary["eval_reward_margin"]) > 1e-3  # trained: the adapters are no longer zero

@@ -57,6 +57,15 @@ def test_a_resume_from_another_model_is_refused(tmp_path):
         checkpoint.refuse_another_model(saved, {**saved, "revision": "v2"})
 
 
+def test_a_config_only_model_is_drawn_from_the_first_runs_seed_on_every_resume():
+    """A reference model or a LoRA merge drawn again from the seed must be the model training started from: a resume
+    with another --seed keeps the first run's, and so does a resume of that resume (and of a checkpoint written before
+    `init_seed` was recorded: its `seed`)."""
+    assert checkpoint.init_seed(None, 7) == 7  # a fresh start: this run's --seed
+    assert checkpoint.init_seed({"seed": 42}, 7) == 42
+    assert checkpoint.init_seed({"seed": 7, "init_seed": 42}, 3) == 42
+
+
 def test_a_resume_names_each_changed_setting_but_not_run_control():
     saved = {"lr": 0.003, "seq_len": 256, "max_steps": 100, "output_dir": "a", "resume": ""}
     current = {"lr": 0.001, "seq_len": 256, "max_steps": 200, "output_dir": "b", "resume": "auto"}

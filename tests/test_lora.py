@@ -107,3 +107,21 @@ def test_lora_fit_check_trains_only_the_adapters_in_its_estimate(runs, base_mode
     assert summary["peak_mem_bytes_estimated"] == expected
     assert summary["fit_check"]["capacity_bytes"] == 10**12 and summary["fit_check"]["status"] == "fits"
     assert summary["fit_check"]["capacity_source"] == "--device_memory"
+
+
+def test_merge_of_a_config_only_base_is_the_trained_model(runs, tmp_path):
+    """The bundled model holds only a config, so the run draws its base from the seed; --merge must merge the
+    adapters into that base, not into another draw: final/merged/, loaded with transformers alone, gives the run's
+    held-out rows (computed here) the run's own final eval loss (FSDP2, fp32)."""
+    import plain_loop
+    from transformers import AutoModelForCausalLM
+
+    from zero_utils.model.loading import BUNDLED_MODEL
+
+    run = runs("lora-fsdp2-config-only-merge", "--max_steps", "3", "--seq_len", "64", "--lora_dropout", "0",
+               "--max_new_tokens", "0", "--report_to", "none", "--merge", "--per_device_batch_size", "4",
+               recipe="recipes/llama_lora.py", config="fsdp2", mixed_precision="no").check()
+    merged_dir = str(run.output_dir / "final" / "merged")
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir).eval()
+    _, eval_rows = plain_loop.bundled_rows(BUNDLED_MODEL, merged, 64, 42, 0.05, tmp_path / "rows")
+    assert plain_loop.mean_token_loss(merged, eval_rows) == pytest.approx(run.summary()["eval_loss"], rel=1e-5)

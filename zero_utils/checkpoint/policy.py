@@ -178,6 +178,7 @@ class Checkpointer:
         self.resume_meta = read_metadata(self.resume_from) if self.resume_from else None
         self.resumed = (Resumed(self.resume_meta["step"], self.resume_meta.get("tracker_run_id"), self.resume_from)
                         if self.resume_meta else None)
+        self.init_seed = init_seed(self.resume_meta, seed)  # a config-only model's weights: drawn from this seed
         self._tracker_run_id: str | None = None  # stored with every checkpoint: a resumed run continues it
         self._model = self._optimizer = None
         self._hf_files, self._global_batch_rows, self._config_hash = (), None, None
@@ -252,7 +253,7 @@ class Checkpointer:
     def _metadata(self, step: int) -> dict:
         return {"engine": self.engine.name, "storage": self.storage.name,
                 "world_size": self.accelerator.num_processes, "global_batch_rows": self._global_batch_rows,
-                "examples_seen": step * self._global_batch_rows, "seed": self.seed,
+                "examples_seen": step * self._global_batch_rows, "seed": self.seed, "init_seed": self.init_seed,
                 "model_config_hash": self._config_hash, "tracker_run_id": self._tracker_run_id,
                 "versions": software_versions(), "settings": self.settings}
 
@@ -260,6 +261,15 @@ class Checkpointer:
         if self._pending:  # `save` returns None when the checkpoint is already complete (synchronous)
             self._pending.finish(current_step)
             self._pending = None
+
+
+def init_seed(resume_meta: dict | None, seed: int) -> int:
+    """The seed a --model with only a config draws its starting weights from: `seed` (this run's --seed) on a fresh
+    start; on a resume the first run's (the checkpoint metadata's `init_seed`, else its `seed`), whatever --seed the
+    resume gives, so that a reference model or a LoRA merge drawn again from it is the model training started from."""
+    if not resume_meta:
+        return seed
+    return resume_meta.get("init_seed", resume_meta["seed"])
 
 
 def refuse_another_model(saved: dict, current: dict) -> None:
