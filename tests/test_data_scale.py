@@ -1,5 +1,6 @@
 """Data preparation at corpus scale, launched: 4 runs of the unchanged recipe (DDP, 2 processes), continued
-pretraining on synthetic text corpora (jsonl, one document a line) of about 4 MB and 80 MB.
+pretraining on synthetic text corpora (jsonl, one document a line) of about 4 MB and 80 MB, and one of
+recipes/llama_dpo.py on about 80 MB of synthetic preference pairs.
 
 - Memory: the per-rank peak anonymous RSS (`RssAnon`: not the page cache of memory-mapped rows) during preparation,
   with the private anonymous memory of the two tokenizing workers (--num_proc 2), rises by less than a quarter of
@@ -16,11 +17,13 @@ from __future__ import annotations
 
 import pytest
 from conftest import isolated_env, launch
+from test_prepared_pairs import write_pairs
 from test_prepared_rows import write_corpus
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 SMALL_DOCS, LARGE_DOCS = 1100, 22000  # ~4 MB and ~80 MB of text (words of 4 to 6 letters, 300 to 900 a document)
+LARGE_PAIRS = 22000  # ~80 MB of preference pairs (a prompt and two answers of 100 to 300 words of 3 to 7 letters)
 FLAGS = ("--max_steps", "1", "--seq_len", "256", "--per_device_batch_size", "2", "--eval_fraction", "0.01",
          "--num_proc", "2", "--max_new_tokens", "0", "--report_to", "none")
 UNHASHABLE = {"ZERO_RECIPES_HARNESS_UNHASHABLE_TOKENIZER": "1"}
@@ -28,7 +31,7 @@ UNHASHABLE = {"ZERO_RECIPES_HARNESS_UNHASHABLE_TOKENIZER": "1"}
 
 @pytest.fixture(scope="module")
 def scale(tmp_path_factory):
-    """The four launches, sharing one datasets cache (as relaunches on one machine do)."""
+    """The five launches, sharing one datasets cache (as relaunches on one machine do)."""
     root = tmp_path_factory.mktemp("scale")
     env = {**isolated_env(root), "ZERO_RECIPES_HARNESS_RSS_PROBE": "1"}
     corpora = {name: write_corpus(root / f"{name}.jsonl", docs) for name, docs in (("small", SMALL_DOCS),
@@ -40,6 +43,9 @@ def scale(tmp_path_factory):
         args = [*FLAGS, "--dataset", str(corpora[corpus]), *extra]
         probes = UNHASHABLE if name == "seq_len" else {}  # a tokenizer that can be neither hashed nor pickled
         runs[name] = launch(root / name, *args, config="ddp", env={**env, **probes}).check()
+    corpora["pairs"] = write_pairs(root / "pairs.jsonl", LARGE_PAIRS, words=(100, 300))  # recipes/llama_dpo.py's
+    runs["pairs"] = launch(root / "pairs", *FLAGS, "--dataset", str(corpora["pairs"]), "--seq_len", "1024",
+                           recipe="recipes/llama_dpo.py", config="ddp", env=env).check()  # whole prompts kept
     return corpora, runs
 
 
@@ -55,6 +61,22 @@ def test_preparation_memory_does_not_grow_with_the_corpus(scale):
     print(f"RssAnon rise while preparing: small corpus {rise['small'] / 1e6:.1f} MB, large "
           f"{rise['large'] / 1e6:.1f} MB ({large_bytes / 1e6:.1f} MB of text)")
     assert rise["large"] - rise["small"] < large_bytes / 4
+
+
+def test_preference_preparation_memory_does_not_grow_with_the_pairs(scale):
+    """recipes/llama_dpo.py's pairs (PreferenceData.prepare) on about 80 MB of pairs: the RssAnon rise while
+    preparing stays within a quarter of their size of the small SFT corpus's rise, as the large SFT corpus's does;
+    only the main process tokenizes."""
+    corpora, runs = scale
+    pairs_bytes = corpora["pairs"].stat().st_size
+    assert pairs_bytes > 9 * corpora["small"].stat().st_size
+    (before, peak), _ = runs["pairs"].summary()["data_prep_rss_anon_bytes_per_rank"]
+    (small_before, small_peak), _ = runs["small"].summary()["data_prep_rss_anon_bytes_per_rank"]
+    print(f"RssAnon rise while preparing: {pairs_bytes / 1e6:.1f} MB of pairs {(peak - before) / 1e6:.1f} MB, the "
+          f"small SFT corpus {(small_peak - small_before) / 1e6:.1f} MB")
+    assert "(2 tokenizing processes)" in runs["pairs"].output
+    assert (peak - before) - (small_peak - small_before) < pairs_bytes / 4
+    assert runs["pairs"].summary()["tokenizer_calls_in_data_prep_per_rank"][1] == 0
 
 
 def test_only_the_main_process_tokenizes_also_with_an_unhashable_tokenizer(scale):

@@ -27,8 +27,9 @@ Switched on by the environment:
     ZERO_RECIPES_HARNESS_VARLEN_PROBE=1  register the flash-attention stand-in `varlen_probe` (varlen_probe.py)
     ZERO_RECIPES_HARNESS_UNHASHABLE_TOKENIZER=1  the tokenizer holds a generator: `datasets` cannot hash it
     ZERO_RECIPES_HARNESS_RSS_PROBE=1     + "data_prep_rss_anon_bytes_per_rank": [before, peak during] the data
-                                         preparation, RssAnon of the process + its children's private memory
-                                         (--num_proc's workers: anonymous, unshared), sampled every 2 ms from /proc
+                                         preparation (TrainingData's or PreferenceData's), RssAnon of the process
+                                         + its children's private memory (--num_proc's workers: anonymous,
+                                         unshared), sampled every 2 ms from /proc
     ZERO_RECIPES_HARNESS_LOSS_PROBE=1    + "loss_probe_per_rank": the largest logits-shaped tensor step 1 created,
                                          in tokens, and the output head group's FSDP2 all-gathers (loss_probe.py)
     ZERO_RECIPES_HARNESS_ACCUMULATION_PROBE=1  + "accumulation_probe_per_rank": what each rank holds after every
@@ -183,6 +184,14 @@ def _attach_probes() -> None:
         _seen["tokenizer"] = _counted(load_tokenizer(*args, **kwargs))
         return _seen["tokenizer"]
 
+    def _rss_probed(prepare, *args, **kwargs):  # the data preparation, its RssAnon sampled when asked
+        if os.environ.get("ZERO_RECIPES_HARNESS_RSS_PROBE") != "1":
+            return prepare(*args, **kwargs)
+        with _RssAnonPeak() as probe:
+            prepared = prepare(*args, **kwargs)
+        _seen["data_prep_rss_anon"] = [probe.before, probe.peak]
+        return prepared
+
     class RecordedData(data.TrainingData):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
@@ -191,12 +200,7 @@ def _attach_probes() -> None:
 
         @classmethod
         def prepare(cls, *args, **kwargs):
-            if os.environ.get("ZERO_RECIPES_HARNESS_RSS_PROBE") != "1":
-                return super().prepare(*args, **kwargs)
-            with _RssAnonPeak() as probe:
-                prepared = super().prepare(*args, **kwargs)
-            _seen["data_prep_rss_anon"] = [probe.before, probe.peak]
-            return prepared
+            return _rss_probed(super().prepare, *args, **kwargs)
 
         def rows_of_step(self, indices):  # the rows of the first step this rank trains
             rows = super().rows_of_step(indices)
@@ -208,6 +212,10 @@ def _attach_probes() -> None:
             super().__init__(*args, **kwargs)
             _seen["data"] = self
             _seen["tokenizer_calls_in_data_prep"] = _seen["tokenizer_calls"][0]
+
+        @classmethod
+        def prepare(cls, *args, **kwargs):
+            return _rss_probed(super().prepare, *args, **kwargs)
 
     class RecordedMeasurements(measurement.RunMeasurements):
         def __init__(self, *args, **kwargs):
