@@ -6,6 +6,7 @@ costs what its formula says; FSDP2 gathers at most two of its units at once; the
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -649,25 +650,32 @@ def test_a_resume_with_another_model_is_refused(runs, flow):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_compare_runs_the_dpo_recipe_and_shows_the_reference(session_root):
-    """`python -m zero_utils.compare --recipe recipes/llama_dpo.py`: the table has the reference's bytes per rank
-    (DDP a whole fp32 replica, FSDP2 half of it at 2 ranks) and the memory chart stacks it."""
+@pytest.mark.parametrize("reference", ["model", "precomputed"])
+def test_compare_runs_the_dpo_recipe_and_shows_the_reference(session_root, reference):
+    """`python -m zero_utils.compare --recipe recipes/llama_dpo.py`: each row has the reference's bytes per rank of
+    its mode (a held model: under DDP a whole fp32 replica, 4 Psi; precomputed: its log-probs, 2 float32 per pair)
+    and the memory chart stacks them."""
     import subprocess
     import sys
 
     from conftest import REPO, isolated_env
 
-    out = session_root / "compare-dpo"
+    config = {"model": "ddp", "precomputed": "fsdp2"}[reference]  # one launch each; every engine: the tests above
+    out = session_root / f"compare-dpo-{reference}"
     proc = subprocess.run([sys.executable, "-m", "zero_utils.compare", "--recipe", "recipes/llama_dpo.py",
-                           "--configs", "ddp", "fsdp2", "--num_processes", "2", "--max_steps", "2",
+                           "--configs", config, "--num_processes", "2", "--max_steps", "2",
                            "--mixed_precision", "no", "--output_dir", str(out), "--report_to", "none", "--",
-                           "--max_new_tokens", "0", "--eval_every", "0"], cwd=REPO, env=isolated_env(session_root),
-                          capture_output=True, text=True, timeout=600)
+                           "--max_new_tokens", "0", "--eval_every", "0", "--reference", reference], cwd=REPO,
+                          env=isolated_env(session_root), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = (out / "report.md").read_text()
     header = next(line for line in report.splitlines() if line.startswith("| config"))
-    rows = {line.split("|")[1].strip(): line for line in report.splitlines() if line.startswith(("| ddp", "| fsdp2"))}
-    column = [c.strip() for c in header.split("|")].index("reference / rank, MB")
-    assert [c.strip() for c in rows["ddp"].split("|")][column] == "3.85"
-    assert [c.strip() for c in rows["fsdp2"].split("|")][column] == "1.92"
+    row = next(line for line in report.splitlines() if line.startswith(f"| {config}"))
+    cell = [c.strip() for c in row.split("|")][[c.strip() for c in header.split("|")].index("reference / rank, MB")]
+    summary = json.loads((out / f"{config}-2x" / "summary.json").read_text())
+    if reference == "model":
+        assert cell == f"{4 * summary['num_params'] / 1e6:.2f}" == "3.85"
+    else:
+        pairs = summary["reference_logps"]["pairs"]
+        assert pairs > 1000 and cell == f"{8 * pairs / 1e6:.2f}" == "0.02"
     assert (out / "memory.png").stat().st_size > 10_000
