@@ -34,7 +34,7 @@ def test_the_optimizer_flags_reach_adamw_and_keep_their_defaults(recipe):
     default = parse_settings(cls, [])
     assert (default.adam_beta1, default.adam_beta2, default.adam_eps, default.min_lr_ratio) == (0.9, 0.95, 1e-8, 0.1)
     cfg = parse_settings(cls, ["--adam_beta1", "0.8", "--adam_beta2", "0.999", "--adam_eps", "1e-6",
-                               "--min_lr_ratio", "0"])
+                               "--min_lr_ratio", "0", "--lr", "1e-4"])  # DPO's --lr has no number until resolved
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
     optimizer = build_adamw(model, cfg.lr, cfg.weight_decay, (cfg.adam_beta1, cfg.adam_beta2), cfg.adam_eps)
     assert len(optimizer.param_groups) == 2
