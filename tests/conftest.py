@@ -245,11 +245,13 @@ def run_layout(runs, small_model, session_root):
 
 
 @pytest.fixture(scope="session")
-def sft_defaults(runs) -> Run:
+def sft_defaults(runs, session_root) -> Run:
     """recipes/llama_zero3.py as the README runs it, fsdp2.yaml as shipped (bf16, 2 processes) and every flag at its
-    default (150 steps on the bundled data, eval every 50) but no generation and no tracker: the learning check
-    (tests/test_training.py) and the SFT half of the SFT-then-DPO flow (tests/test_dpo.py) read it."""
-    return runs("sft-defaults", "--report_to", "none", "--max_new_tokens", "0", config="fsdp2").check()
+    default (150 steps on the bundled data, eval every 50) but no generation and no tracker, with Python's warnings
+    shown as a user sees them: the learning and warning checks (tests/test_training.py) and the SFT half of the
+    SFT-then-DPO flow (tests/test_dpo.py) read it."""
+    return runs("sft-defaults", "--report_to", "none", "--max_new_tokens", "0", config="fsdp2",
+                env={**isolated_env(session_root), "PYTHONWARNINGS": "default"}).check()
 
 
 LAYOUT_SYNC_PROBE_STEP = 5  # of EIGHT_STEPS: no checkpoint (4, 8), no model-state measurement (1, 2)

@@ -36,3 +36,12 @@ def test_default_config_makes_the_bare_launch_fsdp2(session_root):
     # A fresh datasets cache: the main process tokenized and packed, the other rank only read its cache.
     written = summary["data_cache_files_written_per_rank"]
     assert written[0] > 0 and written[1] == 0
+
+
+def test_the_readme_job_prints_no_fsdp2_view_warning(sft_defaults):
+    """torch warns on every FSDP2 step when a unit returns a view ("FSDP2-wrapped module (FSDPLlamaRMSNorm,
+    FSDPLinear) returned a view tensor ...": an in-place op on it would drop the pre-backward hook). The chunked head
+    returned `view_as` of its concatenated losses, and the root model passed that view on; it returns a new tensor
+    now, and the README's main job, run with Python's default warnings, prints none."""
+    assert "UserWarning" in sft_defaults.output  # the launch shows warnings (transformers' own, at least one)
+    assert "returned a view tensor" not in sft_defaults.output

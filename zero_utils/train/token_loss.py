@@ -89,7 +89,9 @@ def chunked_cross_entropy(head_forward, hidden: torch.Tensor, labels: torch.Tens
             losses.append(checkpoint(_chunk_losses, head_forward, *chunk, ignore_index, use_reentrant=False))
         else:
             losses.append(_chunk_losses(head_forward, *chunk, ignore_index))
-    return torch.cat(losses).view_as(labels)
+    # a new tensor, not a view of the concatenation: FSDP2 hooks the head's output for backward, and an in-place op
+    # on a returned view would drop that hook (torch warns "returned a view tensor" for every step)
+    return torch.cat(losses).view_as(labels).clone()
 
 
 def _chunk_losses(head_forward, hidden, labels, ignore_index):
