@@ -182,16 +182,14 @@ def test_the_reloaded_adapter_scores_the_held_out_pairs_as_the_final_eval_and_me
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_merge_of_a_config_only_base_is_the_trained_model(runs, session_root, pairs_with_a_test_split):
+def test_merge_of_a_config_only_base_is_the_trained_model(runs, pairs_with_a_test_split):
     """The bundled model holds only a config, so the run draws its base from the seed; --merge must merge the
     adapters into that base, not into another draw: final/merged/, loaded with transformers alone, gives the
     held-out pairs (computed here) the chosen and rejected log-probs of the run's own final eval (ZeRO-3, fp32)."""
-    from conftest import isolated_env
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     run = runs("dpo-lora-zero3-config-only-merge", "--dataset", pairs_with_a_test_split, *FOUR_STEPS, "--merge",
-               "--per_device_batch_size", "4", recipe=DPO_LORA, config="zero3", mixed_precision="no",
-               env=isolated_env(session_root)).check()
+               "--per_device_batch_size", "4", recipe=DPO_LORA, config="zero3", mixed_precision="no").check()
     summary, merged_dir = run.summary(), run.output_dir / "final" / "merged"
     merged = AutoModelForCausalLM.from_pretrained(merged_dir).eval()
     log_probs = held_out_log_probs(merged, AutoTokenizer.from_pretrained(merged_dir), summary["seq_len"])

@@ -92,12 +92,13 @@ def family_model(session_root):
 
 @pytest.fixture(scope="module")
 def family_plain(family_model, tmp_path_factory):
-    """`family_plain(family)`: the plain loop's (losses, gradient norms, trained model) for FAMILY_HYPER."""
-    done = {}
+    """`family_plain(family)`: the plain loop's (losses, gradient norms, trained model) for FAMILY_HYPER; the families
+    share the bundled tokenizer, so their rows are packed once in one cache."""
+    done, rows_cache = {}, tmp_path_factory.mktemp("family-rows")
 
     def get(family: str):
         if family not in done:
-            done[family] = plain_loop.train(family_model(family)[0], FAMILY_HYPER, tmp_path_factory.mktemp("rows"))
+            done[family] = plain_loop.train(family_model(family)[0], FAMILY_HYPER, rows_cache)
         return done[family]
     return get
 
