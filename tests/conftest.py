@@ -83,6 +83,10 @@ def isolated_env(tmp_root: Path) -> dict:
 LOSS_CHUNK = ("--loss_chunk_tokens", "40")
 WHOLE_LOGITS = ("--loss_chunk_tokens", "0")  # the twin of a chunked run: the whole logits at once
 LOSS_PROBE = {"ZERO_RECIPES_HARNESS_LOSS_PROBE": "1"}  # tests/scripts/loss_probe.py
+# A CPU without native bf16 runs a bf16 launch in fp32 (zero_utils.run.accelerator.cpu_mixed_precision): the launches
+# whose checks are about bf16 force it, so they check bf16 on every host (and cost more on an AVX2-only one). Every
+# launch given mixed_precision="bf16" gets it; a test reading the shipped YAMLs' bf16 adds it.
+CPU_BF16 = {"ZERO_RECIPES_CPU_BF16": "1"}
 
 
 def sync_probe(step: int) -> dict:
@@ -115,6 +119,8 @@ def launch(output_dir: Path, *recipe_args: str, config: str | None = None, num_p
     """Run a recipe the way users do: `accelerate launch [--config_file X] --num_processes N recipe flags...`;
     a recipe under recipes/ runs through tests/scripts/harness.py, which adds per-rank evidence to its summary."""
     env = env or isolated_env(output_dir.parent)
+    if mixed_precision == "bf16":
+        env = {**env, **CPU_BF16}
     script = REPO / recipe
     if recipe.startswith("recipes/"):  # a recipe runs unchanged, with the tests' probes attached from outside
         env, script = {**env, "ZERO_RECIPES_HARNESS_RECIPE": recipe}, HARNESS

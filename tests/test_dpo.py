@@ -288,10 +288,10 @@ def dpo_run(runs, session_root):
     bundled model and pairs, a global batch of 8 pairs; config None = one process without an accelerate config.
     Probes (tests/scripts/harness.py): the live tensor bytes at the end of step 1; the host syncs of step 3; the
     reference's gathered parameters and weak references under FSDP2 and ZeRO-3."""
-    from conftest import isolated_env, sync_probe
+    from conftest import CPU_BF16, isolated_env, sync_probe
 
     def get(config, mixed_precision="no", world=2, batch=4, accumulation=1):
-        env = {**isolated_env(session_root), "ZERO_RECIPES_HARNESS_LIVE_TENSORS": "1", **sync_probe(3),
+        env = {**isolated_env(session_root), **CPU_BF16, "ZERO_RECIPES_HARNESS_LIVE_TENSORS": "1", **sync_probe(3),
                **({"ZERO_RECIPES_HARNESS_REFERENCE_PROBE": "1"} if config in PROBED | {"zero3"} else {})}
         name = f"dpo-{config or 'single'}-{mixed_precision}-{world}x{batch}x{accumulation}"
         return runs(name, *FOUR_STEPS, "--per_device_batch_size", str(batch), "--gradient_accumulation_steps",

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from conftest import ENGINE_CONFIGS, isolated_env
+from conftest import CPU_BF16, ENGINE_CONFIGS, isolated_env
 
 pytestmark = pytest.mark.distributed
 
@@ -30,10 +30,10 @@ SECRETS = {"WANDB_API_KEY": "wandb-secret-4f1c", "HF_TOKEN": "hf_secret_9b2e"}
 def smoke(runs, session_root):
     def get(config: str):
         if config == "ddp":  # the W&B run, with credentials in the environment that must never be written out
-            env = {**isolated_env(session_root), **SECRETS, **VERIFY_REPLICAS, "WANDB_MODE": "offline"}
+            env = {**isolated_env(session_root), **CPU_BF16, **SECRETS, **VERIFY_REPLICAS, "WANDB_MODE": "offline"}
             return runs(f"smoke-{config}", *SMOKE_ARGS, "--report_to", "wandb", config=config, env=env).check()
         return runs(f"smoke-{config}", *SMOKE_ARGS, config=config,
-                    env={**isolated_env(session_root), **VERIFY_REPLICAS}).check()
+                    env={**isolated_env(session_root), **CPU_BF16, **VERIFY_REPLICAS}).check()
     return get
 
 
