@@ -244,3 +244,90 @@ def test_a_source_the_recipe_cannot_train_is_one_sentence(tmp_path):
                       column_map={}, cache_root=tmp_path / "pairs", num_proc=1)
     assert "\n" not in str(sft.value) + str(dpo.value)
     assert not list((tmp_path / "rows").glob("*")) and not list((tmp_path / "pairs").glob("*"))  # nothing written
+
+
+def test_each_sources_tokens_are_the_tokens_in_its_rows_after_truncation(tmp_path):
+    """Issue 67 item 2: 300 chat examples of 300 words each (every one longer than --seq_len 128, so each is cut to
+    its first 128 tokens) next to the bundled short ones: the long source's tokens are examples used x 128 exactly
+    (counted as tokenized they were about 3x that), and the shares follow."""
+    import json
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from zero_utils.data.prepared_mixture import prepare_mixture_rows
+    from zero_utils.data.training import BUNDLED_DATASET
+    from zero_utils.model.loading import BUNDLED_MODEL
+
+    words = " ".join(["paris"] * 300)
+    (tmp_path / "long.jsonl").write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": f"Say paris {i} times."}, {"role": "assistant", "content": words}]}) + "\n"
+        for i in range(300)))
+    mixture = mixture_file(tmp_path, "m.yaml", [(BUNDLED_DATASET, 0.1, "train"), (str(tmp_path / "long.jsonl"),
+                                                                                    1.0, "train")])
+    _, _, info = prepare_mixture_rows(SimpleNamespace(is_main_process=True, num_processes=1),
+                                      AutoTokenizer.from_pretrained(BUNDLED_MODEL), mixture, seq_len=128,
+                                      eval_fraction=0.0, pad_token_id=0, cache_root=tmp_path / "rows", num_proc=1)
+    short, long = info["sources"]
+    assert long["examples_used"] == 300 and info["truncated_examples"] == 300
+    assert long["tokens"] == 300 * 128
+    assert 0 < short["tokens"] < 400 * 128 and long["token_share"] == pytest.approx(
+        long["tokens"] / (long["tokens"] + short["tokens"]))
+
+
+def test_an_unreachable_source_is_one_sentence_naming_it_before_any_source_is_read(tmp_path):
+    """Issue 67 item 2: a missing local file (source 2 of 2) and an uncached Hub data set offline (source 3 of 3),
+    in an SFT mixture and in a DPO one: one sentence naming the source, its position and the mixture's file, before
+    the first source is read (`load_raw_dataset` is never called). For real: an empty HF_HOME and HF_HUB_OFFLINE=1
+    in a subprocess, as a compute node without network meets it. A UserError of the preparation reaches every rank
+    with its sentence (`distributed.run_on_main_process`, tests/test_bad_input.py)."""
+    import subprocess
+    import sys
+
+    from zero_utils.data.training import BUNDLED_DATASET
+    from zero_utils.preference.data import BUNDLED_PREFERENCES
+
+    for kind, bundled in (("sft", BUNDLED_DATASET), ("dpo", BUNDLED_PREFERENCES)):
+        mixture_file(tmp_path, f"{kind}_missing.yaml", [(bundled, 0.5, "train"), ("data/missing.jsonl", 0.5, "train")])
+        mixture_file(tmp_path, f"{kind}_hub.yaml", [(bundled, 0.5, "train"), (bundled, 0.2, "train"),
+                                                    ("someorg/some_pairs", 1.0, "train")])
+    code = f"""
+from types import SimpleNamespace
+from transformers import AutoTokenizer
+from zero_utils.data import sources
+from zero_utils.data.mixture import mixture_in_file
+from zero_utils.data.prepared_mixture import prepare_mixture_rows
+from zero_utils.model.loading import BUNDLED_MODEL
+from zero_utils.preference.prepared_pairs import prepare_pairs
+from zero_utils.run.errors import UserError
+
+def never(*args, **kwargs):
+    raise AssertionError("a source was read")
+sources.load_raw_dataset = never
+one, tokenizer, root = SimpleNamespace(is_main_process=True, num_processes=1), AutoTokenizer.from_pretrained(
+    BUNDLED_MODEL), {str(tmp_path)!r}
+for kind in ("sft", "dpo"):
+    for case in ("missing", "hub"):
+        path = f"{{root}}/{{kind}}_{{case}}.yaml"
+        try:
+            if kind == "sft":
+                prepare_mixture_rows(one, tokenizer, mixture_in_file(path), seq_len=128, eval_fraction=0,
+                                     pad_token_id=0, cache_root=root + "/rows", num_proc=1)
+            else:
+                prepare_pairs(one, tokenizer, path, seq_len=128, eval_fraction=0, seed=0, column_map={{}},
+                              cache_root=root + "/pairs", num_proc=1)
+        except UserError as error:
+            print(error)
+"""
+    env = {"HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin",
+           "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
+    lines = out.stdout.splitlines()
+    assert len(lines) == 4, out.stdout + out.stderr[-3000:]
+    for kind, (missing, hub) in zip(("sft", "dpo"), (lines[:2], lines[2:]), strict=True):
+        assert missing == (f"dataset_mixture source 2 of 2 ({tmp_path}/{kind}_missing.yaml): 'data/missing.jsonl' "
+                           "does not exist; give an existing local file or folder (a relative path starts at the "
+                           "directory you launch from) or a Hub data set id.")
+        assert hub.startswith(f"dataset_mixture source 3 of 3 ({tmp_path}/{kind}_hub.yaml): 'someorg/some_pairs' is "
+                              "not in the local cache and HF_HUB_OFFLINE=1 forbids downloading it; download it ahead "
+                              "with `hf download --repo-type dataset someorg/some_pairs`"), hub

@@ -210,7 +210,7 @@ def order_chunks(sources, indices, size: int):
 
 def source_report(mixture: Mixture, splits: list[str], available: list[int], source_of, tokens: list[int]) -> list:
     """Each source's line of a prepared mixture's info: its id, split, weight, examples used (in `source_of`, the
-    whole order) of `available`, tokens tokenized and share of the mixture's tokens."""
+    whole order) of `available`, its `tokens` (in the rows or pairs, after truncation) and share of the mixture's."""
     import numpy as np
 
     used = np.bincount(source_of, minlength=len(mixture.sources))

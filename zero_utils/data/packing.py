@@ -37,11 +37,12 @@ class Packer:
             write(row)
 
     Counters: `truncated` (SFT examples cut to seq_len), `split_documents` (documents split into windows),
-    `examples` (examples added), `rows` (rows handed back)."""
+    `examples` (examples added), `rows` (rows handed back), `tokens` (example tokens placed in rows: after
+    truncation, without dropped examples and padding)."""
 
     def __init__(self, seq_len: int, pad_token_id: int):
         self.seq_len, self.pad_token_id = seq_len, pad_token_id
-        self.truncated = self.split_documents = self.examples = self.rows = 0
+        self.truncated = self.split_documents = self.examples = self.rows = self.tokens = 0
         self._ids: list[int] = []
         self._labels: list[int] = []
         self._positions: list[int] = []
@@ -69,6 +70,7 @@ class Packer:
 
     def _place(self, input_ids: list[int], labels: list[int]) -> list[dict]:
         done = [self._flush()] if len(self._ids) + len(input_ids) > self.seq_len else []
+        self.tokens += len(input_ids)
         self._ids += input_ids
         self._labels += labels
         self._positions += range(len(input_ids))

@@ -10,7 +10,9 @@ them. The order is two numpy arrays (source, index: 10 bytes an example); the ex
 (--num_proc forked workers) and packed CHUNK_EXAMPLES at a time, in bounded memory. The key covers the mixture
 (sources, weights, columns, seed, hold-out), each source's data fingerprint and layout, the tokenizer, seq_len, the
 pad id, --eval_fraction (when it applies) and the packer's version. info's "sources": per source its id, split,
-examples used (train and eval) of examples available, tokens tokenized and share of the mixture's tokens.
+examples used (train and eval) of examples available, its tokens in the rows (after the packer's truncation) and
+their share of the mixture's tokens. Before any source is read, every source is checked to be reachable
+(`sources.check_mixture_reachable`): one sentence naming the first that is not and its position.
 """
 
 from __future__ import annotations
@@ -34,10 +36,12 @@ from zero_utils.data.prepared_rows import (
     working_processes,
 )
 from zero_utils.data.sft_examples import detect_layout, to_messages, tokenize_example
-from zero_utils.data.sources import load_mixture_source
+from zero_utils.data.sources import check_mixture_reachable, load_mixture_source
 from zero_utils.run.errors import UserError
 
-MIXTURE_VERSION = 1  # how a mixture's order and hold-out are drawn; a change prepares every mixture again
+# How a mixture's order, hold-out and report are made; a change prepares every mixture again. 2: the per-source
+# tokens are counted in the rows, after the packer's truncation (1: as tokenized).
+MIXTURE_VERSION = 2
 
 
 def prepare_mixture_rows(accelerator, tokenizer, mixture: Mixture, *, seq_len: int, eval_fraction: float,
@@ -53,7 +57,9 @@ def prepare_mixture_rows(accelerator, tokenizer, mixture: Mixture, *, seq_len: i
 
 
 def _load_sources(mixture: Mixture):
-    """Each source's (MixtureSource, train split name, data, layout, data fingerprint)."""
+    """Each source's (MixtureSource, train split name, data, layout, data fingerprint), once every source is known to
+    be reachable."""
+    check_mixture_reachable(mixture)
     loaded = []
     for s in mixture.sources:
         split, data, fingerprint = load_mixture_source(s)

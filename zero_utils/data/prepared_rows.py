@@ -311,7 +311,8 @@ def pack_rows(stream, total: int, name: str, seq_len: int, pad_token_id: int, fo
     """Pack one split's tokenized examples (`stream` of (input_ids, labels, source): `source` indexes `split_long`,
     whether that source's long examples are split into windows, as documents are, instead of truncated) in one
     sequential pass, WRITE_TOKENS tokens of rows at a time; write `<folder>/<name>.arrow`. `total`: the examples,
-    for the progress bar. Returns its counts, with "tokens_per_source" (tokens tokenized, per source)."""
+    for the progress bar. Returns its counts, with "tokens_per_source" (per source, its tokens in the rows: after the
+    packer's truncation, without the examples it dropped)."""
     import numpy as np
     import pyarrow
     from datasets import Features, Sequence, Value
@@ -351,8 +352,9 @@ def pack_rows(stream, total: int, name: str, seq_len: int, pad_token_id: int, fo
     with tqdm(total=total, unit="ex", desc=f"tokenize and pack {name} to {seq_len}") as progress:
         for input_ids, labels, source in stream:
             max_token_id = max(max_token_id, max(input_ids, default=0))
-            tokens_per_source[source] += len(input_ids)
+            placed = packer.tokens
             write(packer.add(input_ids, labels, split_long=split_long[source]))
+            tokens_per_source[source] += packer.tokens - placed
             progress.update(1)
     write(packer.finish(), final=True)
     writer.finalize()

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from zero_utils.data.hub import reaching
+from zero_utils.data.hub import failure_sentence, reaching
 from zero_utils.run.errors import UserError
 
 BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text",
@@ -148,6 +148,31 @@ def data_fingerprint(source: DataSource, raw) -> dict:
         return {"files": [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files]}
     return {"hub": source.name, "config": source.config, "revision": source.revision,
             "splits": {name: split._fingerprint for name, split in raw.items()}}
+
+
+def check_mixture_reachable(mixture) -> None:
+    """Before a mixture's preparation reads any source: every source of `mixture` (a `mixture.Mixture`) can be
+    reached. A local path exists (relative to the launch's directory, as --dataset); a Hub data set resolves
+    (`datasets.load_dataset_builder`: its repository, revision and module, from the cache when offline; no data
+    file is downloaded). `UserError` naming the first source that cannot be reached, its position (source i of n)
+    and the file that lists it; failures past reaching (a configuration to choose, a split, a column) are left to
+    the load, which names them."""
+    import datasets
+
+    for position, source in enumerate(mixture.sources, 1):
+        where = f"dataset_mixture source {position} of {len(mixture.sources)} ({mixture.where})"
+        if DataSource(source.id).is_local:
+            if not Path(source.id).expanduser().exists():
+                raise UserError(f"{where}: {source.id!r} does not exist; give an existing local file or folder "
+                                "(a relative path starts at the directory you launch from) or a Hub data set id.")
+            continue
+        with reaching(f"{where}:", source.id, revision=source.revision or None, revision_flag=f"{where}: revision",
+                      repo_type="dataset"):
+            try:
+                datasets.load_dataset_builder(source.id, source.config or None, revision=source.revision or None)
+            except ValueError as error:  # reached; a configuration to choose is the load's sentence
+                if failure_sentence(error, "", source.id, repo_type="dataset") is not None:
+                    raise
 
 
 def load_mixture_source(source) -> tuple:

@@ -40,7 +40,14 @@ from zero_utils.data.prepared_rows import (
     tokenizer_fingerprint,
     working_processes,
 )
-from zero_utils.data.sources import DataSource, choose_splits, data_fingerprint, load_mixture_source, load_raw_dataset
+from zero_utils.data.sources import (
+    DataSource,
+    check_mixture_reachable,
+    choose_splits,
+    data_fingerprint,
+    load_mixture_source,
+    load_raw_dataset,
+)
 from zero_utils.preference.examples import TRUNCATION, pair_columns, pair_layout, tokenize_pair
 from zero_utils.run.errors import UserError
 
@@ -93,7 +100,9 @@ def open_pairs(folder: Path):
 
 def _prepare_mixture(tokenizer, mixture, seq_len, eval_fraction, cache_root: Path, num_proc: int) -> dict:
     """A mixture of pair sets, as zero_utils.data.prepared_mixture prepares SFT rows: each source with its own pair
-    layout and columns, the weights' draw and one shuffle with the mixture's seed, the held-out pairs first."""
+    layout and columns, the weights' draw and one shuffle with the mixture's seed, the held-out pairs first; every
+    source is checked to be reachable before any is read."""
+    check_mixture_reachable(mixture)
     loaded = []
     for s in mixture.sources:
         split, data, fingerprint = load_mixture_source(s)
