@@ -159,7 +159,7 @@ def main(cfg: Settings) -> None:
         settings=asdict(cfg))
 
     # ------------------------------------------------------------------------------ will it fit
-    model_config = load_config(cfg.model, cfg.trust_remote_code, cfg.revision)
+    model_config = load_config(cfg.model, cfg.trust_remote_code, cfg.revision, accelerator=accelerator)
     fit = check_fit(accelerator, engine, model_config, seq_len=cfg.seq_len,  # + the reference
                     micro_batch_size=2 * cfg.per_device_batch_size,  # a pair is two rows
                     activation_checkpointing=cfg.gradient_checkpointing,

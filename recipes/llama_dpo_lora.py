@@ -161,7 +161,7 @@ def main(cfg: Settings) -> None:
         settings=asdict(cfg))
 
     # ------------------------------------------------------------------------------ will it fit
-    model_config = load_config(cfg.model, cfg.trust_remote_code, cfg.revision)
+    model_config = load_config(cfg.model, cfg.trust_remote_code, cfg.revision, accelerator=accelerator)
     lora_config = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,  # [LoRA]
                              target_modules=_target_modules(cfg.lora_target_modules), task_type="CAUSAL_LM")  # [LoRA]
     fit = check_fit(accelerator, engine, model_config, seq_len=cfg.seq_len,  # + the reference

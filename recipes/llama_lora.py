@@ -143,7 +143,7 @@ def main(cfg: Settings) -> None:
     set_seed(cfg.seed)
 
     # ------------------------------------------------------------------------------ will it fit
-    model_config = load_config(cfg.model, cfg.trust_remote_code, cfg.revision)
+    model_config = load_config(cfg.model, cfg.trust_remote_code, cfg.revision, accelerator=accelerator)
     lora_config = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,  # [LoRA]
                              target_modules=_target_modules(cfg.lora_target_modules), task_type="CAUSAL_LM")  # [LoRA]
     # This run's peak memory per rank, estimated term by term, against the device's: every rank stops here, before

@@ -158,7 +158,7 @@ def main(cfg: Settings) -> None:
     set_seed(cfg.seed)
 
     # ------------------------------------------------------------------------------ will it fit
-    model_config = load_config(cfg.model, cfg.trust_remote_code, cfg.revision)
+    model_config = load_config(cfg.model, cfg.trust_remote_code, cfg.revision, accelerator=accelerator)
     # This run's peak memory per rank, estimated term by term, against the device's: every rank stops here, before
     # the data is prepared and the model built, naming the engine or setting that fits when it does not.
     fit = check_fit(accelerator, engine, model_config, seq_len=cfg.seq_len, micro_batch_size=cfg.per_device_batch_size,

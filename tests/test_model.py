@@ -112,3 +112,21 @@ def test_converted_parameters_are_rebuilt_as_transformers_loads_them(tmp_path):
     params = dict(loaded.named_parameters())
     for name, tensor in rebuilt.items():
         assert tensor.dtype == torch.float32 and torch.equal(tensor, params[name]), name
+
+
+def test_a_model_folder_under_home_written_with_a_tilde_loads(saved_model, tmp_path, monkeypatch):
+    """`--model ~/model` (a --config YAML's value, which no shell expands): config, tokenizer and weights load from
+    $HOME/model, the weights equal to the folder's; before, transformers took '~/model' for a Hub id."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from zero_utils.model.loading import load_config, load_tokenizer
+
+    shutil.copytree(saved_model, tmp_path / "model")
+    AutoTokenizer.from_pretrained(BUNDLED_MODEL).save_pretrained(tmp_path / "model")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert load_config("~/model").model_type == "llama" and len(load_tokenizer("~/model")) == 872
+    loaded = load_causal_lm("~/model").state_dict()
+    saved = AutoModelForCausalLM.from_pretrained(saved_model).state_dict()
+    assert all(torch.equal(loaded[k], saved[k]) for k in saved)

@@ -146,3 +146,26 @@ def test_node_local_output_dirs_stop_every_rank_before_the_model_is_built(sessio
         assert "engine fsdp2 |" not in stdout  # the line printed once the model is built and prepared
     assert (local / JOB_TOKEN_FILE).read_text() == "an-earlier-job\n"  # machine 1 never wrote there
     assert not list((out / "machine0-local").glob("checkpoints"))
+
+
+def test_a_model_folder_on_one_machine_only_is_one_sentence_naming_the_other(session_root, small_model):
+    """Issue 67 item 3: `--model ~/model`, a folder in machine 0's home only (each machine its own HOME, as
+    node-local disks): every rank of both machines exits 2 with one sentence naming machine rank 1 as the one that
+    lacks it and what to do, before the data is prepared (2 launches that fail early)."""
+    import shutil
+
+    out = session_root / "two-machines-model-on-one"
+    homes = [out / f"home{machine}" for machine in (0, 1)]
+    for home in homes:
+        home.mkdir(parents=True)
+    shutil.copytree(small_model, homes[0] / "model")
+    machines = start_two_machines(out / "run", "fsdp2", 1, small_model, batch=2, recipe_args=("--model", "~/model"),
+                                  machine_env={m: {"HOME": str(home)} for m, home in enumerate(homes)})
+    for machine, (returncode, stdout, stderr) in enumerate(machines):
+        report = re.findall(r"rank\s+:\s+(\d+) \(local_rank: \d+\)\n\s+exitcode\s+:\s+(-?\d+)", stderr)
+        assert returncode != 0 and report == [(str(machine), "2")], (stdout + stderr)[-3000:]
+        errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+        assert errors == ["error: --model '~/model' exists on machine rank 0 but not on machine rank 1: a local "
+                          "--model must exist at the same path on every node (copy it there, or use a file system "
+                          "every node mounts), or pass a Hub id (downloaded once per node)."], (machine, errors)
+        assert "tokenize and pack" not in stderr + stdout  # before the data

@@ -31,6 +31,8 @@ def has_pretrained_weights(name_or_path: str) -> bool:
 
 
 def _check_local(name_or_path: str) -> Path | None:
+    """The local path `name_or_path` names, "~" expanded (what transformers is then given: it does not expand it), or
+    None for a Hub id; `UserError` for a path that does not exist."""
     path = Path(name_or_path).expanduser()
     if path.exists():
         return path
@@ -54,24 +56,47 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, revision:
         raise UserError(f"--model {name_or_path!r} has no tokenizer (none of {', '.join(_TOKENIZER_FILES)}); save "
                         "the model's tokenizer there with tokenizer.save_pretrained(folder).")
     with reaching("--model", name_or_path, revision=revision):
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code,
+        tokenizer = AutoTokenizer.from_pretrained(str(local or name_or_path), trust_remote_code=trust_remote_code,
                                                   revision=revision or None)
     if tokenizer.pad_token is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 
 
-def load_config(name_or_path: str, trust_remote_code: bool = False, revision: str | None = None):
+def check_on_every_node(accelerator, name_or_path: str, flag: str = "--model") -> None:
+    """[several processes] Whether the local path `name_or_path` exists is the same on every rank: a folder on some
+    nodes' disks only is a `UserError` on every rank naming the machine ranks (nodes, torchrun's numbering) that
+    lack it and those that have it; present everywhere or nowhere (then `_check_local`'s sentence), nothing
+    happens. One small all-gather; every rank must call it. Engines: all."""
+    if accelerator.num_processes == 1:
+        return
+    has = distributed.per_rank(accelerator, {"has": int(Path(name_or_path).expanduser().exists())})["has"]
+    if all(has) or not any(has):
+        return
+    per_node = distributed.local_world_size(accelerator)
+    lacking, holding = ({rank // per_node for rank, found in enumerate(has) if found == want} for want in (0, 1))
+    raise UserError(f"{flag} {name_or_path!r} exists on machine rank {', '.join(map(str, sorted(holding)))} but not "
+                    f"on machine rank {', '.join(map(str, sorted(lacking)))}: a local {flag} must exist at the same "
+                    "path on every node (copy it there, or use a file system every node mounts), or pass a Hub id "
+                    "(downloaded once per node).")
+
+
+def load_config(name_or_path: str, trust_remote_code: bool = False, revision: str | None = None, *,
+                accelerator=None):
     """Load the model config (no weights, at the Hub `revision` if given); `UserError` if the path is missing, the
-    Hub id cannot be reached (zero_utils.data.hub) or the model is not a causal LM."""
+    Hub id cannot be reached (zero_utils.data.hub) or the model is not a causal LM. With the job's `accelerator`
+    (every rank must then call it), a local path that exists on some nodes only is one sentence on every rank
+    naming the machine ranks that lack it (`check_on_every_node`)."""
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+    if accelerator is not None:
+        check_on_every_node(accelerator, name_or_path)
     local = _check_local(name_or_path)
     if local is not None and local.is_dir() and not (local / "config.json").exists():
         raise UserError(f"--model {name_or_path!r} has no config.json; point it at a Hugging Face model folder.")
     with reaching("--model", name_or_path, revision=revision):
-        config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code,
+        config = AutoConfig.from_pretrained(str(local or name_or_path), trust_remote_code=trust_remote_code,
                                             revision=revision or None)
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not getattr(config, "auto_map", None):
         raise UserError(f"--model {name_or_path!r} is a {config.model_type!r} model, not a causal LM; "
@@ -146,8 +171,8 @@ def load_causal_lm(name_or_path: str, *, accelerator=None, attn_implementation: 
     elif loads_on_rank0_only(accelerator):  # [FSDP2] rank 0 reads while the others wait outside any collective
         def read_weights():
             with reaching("--model", name_or_path, revision=revision):
-                return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32, use_safetensors=True,
-                                                            trust_remote_code=trust_remote_code,
+                return AutoModelForCausalLM.from_pretrained(str(local or name_or_path), dtype=torch.float32,
+                                                            use_safetensors=True, trust_remote_code=trust_remote_code,
                                                             revision=revision or None, **kwargs)
 
         model = distributed.run_on_main_process(accelerator, read_weights,
@@ -164,9 +189,9 @@ def load_causal_lm(name_or_path: str, *, accelerator=None, attn_implementation: 
         model.tie_weights()  # the tie must hold before sharding: FSDP2 keeps a shared weight in one group
         return model
     with reaching("--model", name_or_path, revision=revision):
-        return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32, use_safetensors=True,
-                                                    trust_remote_code=trust_remote_code, revision=revision or None,
-                                                    **kwargs)
+        return AutoModelForCausalLM.from_pretrained(str(local or name_or_path), dtype=torch.float32,
+                                                    use_safetensors=True, trust_remote_code=trust_remote_code,
+                                                    revision=revision or None, **kwargs)
 
 
 # What a causal LM's Hub repository holds that loading it needs (config, tokenizer, chat template, safetensors
