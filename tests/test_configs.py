@@ -131,11 +131,12 @@ def test_zero_utils_folders_import_only_their_own_and_earlier_folders(tmp_path):
 
 
 def test_each_folder_holds_a_few_modules_and_says_what():
-    """A folder is a concern a reader comes with: at most 9 modules, and an __init__ whose docstring names them."""
+    """A folder is a concern a reader comes with: at most 12 modules (issue 68), and an __init__ whose docstring names
+    them."""
     for folder in FOLDERS:
         modules = sorted(p.stem for p in (REPO / "zero_utils" / folder).glob("*.py"))
         modules = [m for m in modules if not m.startswith("__")]
-        assert 1 <= len(modules) <= 9, (folder, modules)
+        assert 1 <= len(modules) <= 12, (folder, modules)
         doc = ast.get_docstring(ast.parse((REPO / "zero_utils" / folder / "__init__.py").read_text())) or ""
         assert all(re.search(rf"\b{m}\b", doc) for m in modules), (folder, doc)
     assert sorted(p.name for p in (REPO / "zero_utils").iterdir() if p.is_dir() and p.name != "__pycache__") == \

@@ -100,7 +100,7 @@ def _prepare(tokenizer, mixture: Mixture, seq_len, eval_fraction, pad_token_id, 
         info["sources"] = [{**line, "layout": layout} for line, (*_, layout, _) in zip(report, loaded, strict=True)]
         return info
 
-    return prepared_folder(cache_root, depends_on, write)
+    return prepared_folder(cache_root, depends_on, write, tokenizer_name=tokenizer.name_or_path)
 
 
 def _stream(loaded, sources, indices, tokenizer, num_proc: int):

@@ -37,6 +37,7 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
+from zero_utils.data.cache import hold
 from zero_utils.data.packing import PACKER_VERSION, Packer
 from zero_utils.data.sft_examples import detect_layout, to_messages, tokenize_example
 from zero_utils.data.sources import DataSource, choose_splits, data_fingerprint, load_raw_dataset
@@ -193,7 +194,7 @@ def _prepare(tokenizer, dataset, seq_len, eval_fraction, seed, column_map, pad_t
                             "check its columns and contents.")
         return info
 
-    return prepared_folder(cache_root, depends_on, write)
+    return prepared_folder(cache_root, depends_on, write, tokenizer_name=tokenizer.name_or_path)
 
 
 def working_processes(num_proc: int) -> int:
@@ -205,15 +206,18 @@ def working_processes(num_proc: int) -> int:
     return num_proc
 
 
-def prepared_folder(cache_root: Path, depends_on: dict, write) -> dict:
+def prepared_folder(cache_root: Path, depends_on: dict, write, *, tokenizer_name: str = "") -> dict:
     """The folder `cache_root/rows_key(depends_on)`: reused when complete (its info.json exists), else made:
     `write(tmp)` fills a temporary folder beside it and returns the info, written last to info.json (with
-    `depends_on`), then the folder is renamed into place. An error or Ctrl-C leaves no half-written folder; an
-    incomplete one left by a killed preparation is replaced; another job on this machine that finished the same
-    folder first keeps its own (the same). Returns {"folder", "reused"}."""
+    `depends_on` and `tokenizer_name`, for `python -m zero_utils.data cache`), then the folder is renamed into place.
+    An error or Ctrl-C leaves no half-written folder; an incomplete one left by a killed preparation is replaced;
+    another job on this machine that finished the same folder first keeps its own (the same). The folder is held
+    for this process (`cache.hold`: never pruned while it runs). Returns {"folder", "reused"}."""
     folder = cache_root / rows_key(depends_on)
     if (folder / "info.json").is_file():
-        return {"folder": str(folder), "reused": True}
+        hold(folder)
+        if (folder / "info.json").is_file():  # not pruned before the hold
+            return {"folder": str(folder), "reused": True}
     tmp = folder.parent / f".tmp_{folder.name}_{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -222,13 +226,15 @@ def prepared_folder(cache_root: Path, depends_on: dict, write) -> dict:
     except BaseException:  # an error, or Ctrl-C: no half-written folder stays behind
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    (tmp / "info.json").write_text(json.dumps({**info, "depends_on": depends_on}, indent=1) + "\n")  # last
+    (tmp / "info.json").write_text(json.dumps({**info, "depends_on": depends_on, "tokenizer_name": tokenizer_name},
+                                              indent=1) + "\n")  # last
     if not (folder / "info.json").is_file():
         shutil.rmtree(folder, ignore_errors=True)  # an incomplete one, left by a killed preparation
     try:
         tmp.rename(folder)
     except OSError:  # another job on this machine finished the same rows first: theirs are the same, keep them
         shutil.rmtree(tmp, ignore_errors=True)
+    hold(folder)
     return {"folder": str(folder), "reused": False}
 
 
@@ -372,6 +378,7 @@ def open_rows(folder: Path):
     if not (folder / "info.json").is_file():
         raise UserError(f"this rank cannot see the prepared rows in {folder} (the main process wrote them): on "
                         "several nodes, set HF_DATASETS_CACHE to a folder every node shares.")
+    hold(folder)  # never pruned while this job runs
     info = json.loads((folder / "info.json").read_text())
     columns = list(ROW_COLUMNS)  # int32 on disk, int64 tensors when read; num_loss_tokens stays in `.data`
     train = Dataset.from_file(str(folder / "train.arrow")).with_format("torch", columns=columns)

@@ -27,6 +27,7 @@ import json
 from array import array
 from pathlib import Path
 
+from zero_utils.data.cache import hold
 from zero_utils.data.mixture import mixture_in_file, mixture_order, order_chunks, source_report
 from zero_utils.data.prepared_rows import (
     CHUNK_EXAMPLES,
@@ -90,6 +91,7 @@ def open_pairs(folder: Path):
     if not (folder / "info.json").is_file():
         raise UserError(f"this rank cannot see the prepared pairs in {folder} (the main process wrote them): on "
                         "several nodes, set HF_DATASETS_CACHE to a folder every node shares.")
+    hold(folder)  # never pruned while this job runs
     info = json.loads((folder / "info.json").read_text())
     train = Dataset.from_file(str(folder / "train.arrow"))
     evaluation = Dataset.from_file(str(folder / "eval.arrow")) if info["eval"]["pairs"] else None
@@ -142,7 +144,7 @@ def _prepare_mixture(tokenizer, mixture, seq_len, eval_fraction, cache_root: Pat
                                         [len(d) for _, _, d, _, _ in loaded], source_of, tokens)
         return info
 
-    return prepared_folder(cache_root, depends_on, write)
+    return prepared_folder(cache_root, depends_on, write, tokenizer_name=tokenizer.name_or_path)
 
 
 def _prepare(tokenizer, dataset, seq_len, eval_fraction, seed, column_map, cache_root: Path, num_proc: int) -> dict:
@@ -181,7 +183,7 @@ def _prepare(tokenizer, dataset, seq_len, eval_fraction, seed, column_map, cache
             info[name] = _write_split(tokenized, len(split_raw), name, seq_len, tmp)
         return info
 
-    return prepared_folder(cache_root, depends_on, write)
+    return prepared_folder(cache_root, depends_on, write, tokenizer_name=tokenizer.name_or_path)
 
 
 def _tokenize_chunk(chunk: dict, tokenizer, columns: list[str], seq_len: int) -> list:
