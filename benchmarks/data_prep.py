@@ -46,7 +46,10 @@ with _RssAnonPeak() as probe:
         from zero_utils import data
         data.build_sft_datasets(one_process, tokenizer, corpus, 256, 0.01, 0, vocab_size=len(tokenizer))
     else:
-        from zero_utils import prepared_rows  # 0.1's name: every checkout since imports it (zero_utils.MOVED)
+        if os.path.exists(os.path.join(tree, "zero_utils", "data", "prepared_rows.py")):  # folders by concern (0.2 on)
+            from zero_utils.data import prepared_rows
+        else:  # 0.1: the modules in one folder
+            from zero_utils import prepared_rows
         workers = {"num_proc": num_proc} if hasattr(prepared_rows, "default_num_proc") else {}
         if num_proc == 1 and hasattr(prepared_rows, "_tokenize_chunk"):  # time the tokenizing share
             tokenize_chunk, tokenizing = prepared_rows._tokenize_chunk, [0.0]
@@ -76,7 +79,10 @@ sys.path.insert(0, tree)
 sys.path.insert(0, os.path.join(sys.argv[2], "tests", "scripts"))
 import pyarrow
 from harness import rss_anon_bytes
-from zero_utils import prepared_rows  # 0.1's name: every checkout since imports it (zero_utils.MOVED)
+if os.path.exists(os.path.join(tree, "zero_utils", "data", "prepared_rows.py")):  # folders by concern (0.2 on)
+    from zero_utils.data import prepared_rows
+else:  # 0.1: the modules in one folder
+    from zero_utils import prepared_rows
 import datasets  # imported before measuring, as the recipe has
 before = rss_anon_bytes()
 rows = prepared_rows.open_rows(Path(folder))

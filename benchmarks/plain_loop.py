@@ -20,6 +20,7 @@ import torch
 import workload  # benchmarks/workload.py: flags, loss and timing shared with trainer_baseline.py
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from zero_utils.assets import BUNDLED_DATASET
 from zero_utils.data import prepared_rows, sft_examples
 from zero_utils.data import training as data
 from zero_utils.model.loading import load_tokenizer
@@ -31,7 +32,7 @@ torch.manual_seed(args.seed)
 tokenizer = load_tokenizer(args.model)
 # zero_utils.data.prepared_rows asks its "accelerator" only which process runs first: one process, so this one.
 one_process = SimpleNamespace(is_main_process=True, num_processes=1)
-rows, _, _ = prepared_rows.prepare_rows(one_process, tokenizer, data.BUNDLED_DATASET, seq_len=args.seq_len,
+rows, _, _ = prepared_rows.prepare_rows(one_process, tokenizer, BUNDLED_DATASET, seq_len=args.seq_len,
                                         eval_fraction=0.0, seed=args.seed, column_map=None,
                                         pad_token_id=data.pad_token_id_within(tokenizer, len(tokenizer)))
 rows = rows.with_format("torch", columns=["input_ids", "labels", "position_ids"])

@@ -16,7 +16,7 @@ Rows (results.json keys; docs/BENCHMARKS.md explains each and holds the figures)
     trainer        the recipe vs benchmarks/trainer_baseline.py (transformers Trainer) under fsdp2.yaml and
                    zero3.yaml at 2 processes: tokens/s and peak memory per rank; the Trainer's sharding asserted.
                    Also the recipe under ZeRO-3 with DeepSpeed's default bucket sizes, the Trainer's (ours: the hidden
-                   size's, at least 25 MiB: zero_utils.formulas.memory.deepspeed_bucket_elements).
+                   size's, at least 25 MiB: zero_utils.formulas.model_states.deepspeed_bucket_elements).
     sharding_cost  step time of each engine / DDP's at world size 2 and 4, plus FSDP2 prepared by accelerate itself
                    (benchmarks/recipe_probe.py skips zero_utils.model.wrapping) vs ours.
 The machine is shared and noisy: every timing is a ratio of runs interleaved within one repeat (A B A B ...),

@@ -5,7 +5,7 @@ what users would pick instead of recipes/llama_zero3.py. benchmarks/run.py launc
         benchmarks/trainer_baseline.py --model DIR --output_dir D --max_steps 10 --per_device_batch_size 4 --seq_len 256
 
 On a machine without CUDA the Trainer's own Accelerator falls back to one process per rank, unsharded
-(docs/ARCHITECTURE.md). So the accelerate state is built first by zero_utils.run.accelerator.build_accelerator (gloo,
+(docs/CPU.md). So the accelerate state is built first by zero_utils.run.accelerator.build_accelerator (gloo,
 the engine the launch named) and the Trainer is told to reuse it (`accelerator_config={"use_configured_state":
 True}`); after training this script records how much of the model each rank holds, so a run that did not shard
 is caught.
@@ -23,6 +23,7 @@ import workload  # benchmarks/workload.py: flags, loss and timing shared with pl
 from accelerate import PartialState
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
+from zero_utils.assets import BUNDLED_DATASET
 from zero_utils.data import prepared_rows, sft_examples
 from zero_utils.data import training as data
 from zero_utils.model.loading import load_causal_lm, load_tokenizer
@@ -46,7 +47,7 @@ else:
 world = accelerator.num_processes
 torch.manual_seed(args.seed)
 tokenizer = load_tokenizer(args.model)
-train_rows, _, _ = prepared_rows.prepare_rows(accelerator, tokenizer, data.BUNDLED_DATASET, seq_len=args.seq_len,
+train_rows, _, _ = prepared_rows.prepare_rows(accelerator, tokenizer, BUNDLED_DATASET, seq_len=args.seq_len,
                                               eval_fraction=0.0, seed=args.seed, column_map=None,
                                               pad_token_id=data.pad_token_id_within(tokenizer, len(tokenizer)))
 train_rows = train_rows.with_format("torch", columns=["input_ids", "labels", "position_ids"])

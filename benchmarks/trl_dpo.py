@@ -51,8 +51,8 @@ parser.add_argument("--trl_path", default="", help="a folder put first on trl's 
 def ordered_pairs(out: Path, steps: int, global_batch: int, seed: int) -> int:
     """Write the bundled pairs of steps 1..`steps`, in the recipe's order, as chat messages for trl; return the
     number of bundled pairs (the recipe's train split with --eval_fraction 0)."""
+    from zero_utils.assets import BUNDLED_PREFERENCES
     from zero_utils.data.training import global_batch_indices
-    from zero_utils.preference.data import BUNDLED_PREFERENCES
 
     rows = [json.loads(line) for line in Path(BUNDLED_PREFERENCES).read_text().splitlines() if line.strip()]
     with open(out, "w") as f:
@@ -84,7 +84,7 @@ def saved_base(out: Path, seed: int) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from zero_utils.model.loading import BUNDLED_MODEL
+    from zero_utils.assets import BUNDLED_MODEL
 
     base = out / "base"
     if not (base / "model.safetensors").is_file():

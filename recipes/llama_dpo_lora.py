@@ -39,13 +39,13 @@ from accelerate.utils import set_seed
 from peft import LoraConfig, get_peft_model  # [LoRA]
 from tqdm.auto import tqdm
 
+from zero_utils.assets import BUNDLED_MODEL, BUNDLED_PREFERENCES
 from zero_utils.checkpoint.policy import Checkpointer
 from zero_utils.data.training import DataSource
 from zero_utils.launch.cli import flag, run_recipe
 from zero_utils.memory.fit_check import check_fit
 from zero_utils.model.deepspeed_setup import zero3_init_disabled  # [LoRA] the merge builds the base whole
 from zero_utils.model.loading import (  # [LoRA]
-    BUNDLED_MODEL,  # [LoRA]
     count_parameters,  # [LoRA]
     gather_trainable_state_dict,  # [LoRA]
     greedy_answer,  # [LoRA]
@@ -54,7 +54,7 @@ from zero_utils.model.loading import (  # [LoRA]
     load_tokenizer,  # [LoRA]
 )  # [LoRA]
 from zero_utils.model.parallelize import FSDPWrapping, after_prepare, parallelize
-from zero_utils.preference.data import BUNDLED_PREFERENCES, PreferenceData
+from zero_utils.preference.data import PreferenceData
 from zero_utils.preference.loss import (
     LOSSES,
     answer_log_probs,
@@ -245,8 +245,9 @@ def main(cfg: Settings) -> None:
                     disable=not accelerator.is_main_process, desc=f"dpo [{engine}]")
     for step in progress:
         meter.start_step()
-        set_lr(optimizer, lr := lr_at(step, max_steps=cfg.max_steps, peak_lr=cfg.lr, warmup_steps=cfg.warmup_steps,
-                                      schedule=cfg.lr_schedule, min_lr_ratio=cfg.min_lr_ratio))
+        lr = lr_at(step, max_steps=cfg.max_steps, peak_lr=cfg.lr, warmup_steps=cfg.warmup_steps,
+                   schedule=cfg.lr_schedule, min_lr_ratio=cfg.min_lr_ratio)
+        set_lr(optimizer, lr)
         batches = pairs.step_batches(step)  # this rank's micro-batches, the global batch's pair and token counts
         # the mean over the global batch's pairs, exact after accelerate's 1 / accumulation and the engines' rank mean
         scale = world * cfg.gradient_accumulation_steps / batches.pairs
@@ -271,7 +272,8 @@ def main(cfg: Settings) -> None:
         tracker.log_step(result, eval_metrics=eval_metrics)
         last = result
         progress.set_postfix(loss=f"{result.loss:.3f}", acc=f"{result.means['reward_accuracy']:.2f}")
-        if stopped := checkpointer.save(step, stop=result.stop):
+        stopped = checkpointer.save(step, stop=result.stop)  # saves when due; after a stop signal: stop here
+        if stopped:
             break
     progress.close()
 

@@ -57,12 +57,12 @@ import torch
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
+from zero_utils.assets import BUNDLED_DATASET, BUNDLED_MODEL
 from zero_utils.checkpoint.policy import Checkpointer
-from zero_utils.data.training import BUNDLED_DATASET, DataSource, TrainingData
+from zero_utils.data.training import DataSource, TrainingData
 from zero_utils.launch.cli import flag, run_recipe
 from zero_utils.memory.fit_check import check_fit
 from zero_utils.model.loading import (
-    BUNDLED_MODEL,
     choose_attention,
     count_parameters,
     greedy_answer,
@@ -250,7 +250,8 @@ def main(cfg: Settings) -> None:
         tracker.log_step(result, eval_loss=eval_loss)
         last = result
         progress.set_postfix(loss=f"{result.loss:.3f}", tok_s=f"{result.tokens_per_s:.0f}")
-        if stopped := checkpointer.save(step, stop=result.stop):  # saves when due; after a stop signal: stop here
+        stopped = checkpointer.save(step, stop=result.stop)  # saves when due; after a stop signal: stop here
+        if stopped:
             break
     progress.close()
 

@@ -39,8 +39,8 @@ LEDGER_DIR = "ZERO_RECIPES_LEDGER_DIR"  # where each pytest process (controller,
 RUN_NAME = "ZERO_RECIPES_LEDGER_RUN"  # the name of a shared run (conftest's `runs`), for the duplicate check
 # The budget table: a row per test file, `| tests/<file>.py | <budget> | ...` (the first number is the budget).
 BUDGET_ROW = re.compile(r"^\|\s*`?([\w/]+\.py)`?\s*\|\s*(\d+)\s*\|", re.MULTILINE)
-# Its last column is the file's test seconds in the measured run: `| file | budget | 5 more numbers |`.
-SECONDS_ROW = re.compile(r"^\|\s*`?([\w/]+\.py)`?\s*\|(?:\s*\d+\s*\|){5}\s*(\d+)\s*\|\s*$", re.MULTILINE)
+# Its seventh column is the file's test seconds in the measured run: `| file | budget | 5 more numbers | words |`.
+SECONDS_ROW = re.compile(r"^\|\s*`?([\w/]+\.py)`?\s*\|(?:\s*\d+\s*\|){5}\s*(\d+)\s*\|", re.MULTILINE)
 
 
 def pytest_addoption(parser):

@@ -45,12 +45,13 @@ def bundled_rows(model_dir: str, model, seq_len: int, seed: int, eval_fraction: 
     tokenizer (eval None when `eval_fraction` is 0)."""
     from transformers import AutoTokenizer
 
+    from zero_utils.assets import BUNDLED_DATASET
     from zero_utils.data import prepared_rows
     from zero_utils.data import training as data
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     train_rows, eval_rows, _ = prepared_rows.prepare_rows(
-        SimpleNamespace(is_main_process=True, num_processes=1), tokenizer, data.BUNDLED_DATASET, seq_len=seq_len,
+        SimpleNamespace(is_main_process=True, num_processes=1), tokenizer, BUNDLED_DATASET, seq_len=seq_len,
         eval_fraction=eval_fraction, seed=seed, column_map=None, cache_root=cache_root,
         pad_token_id=data.pad_token_id_within(tokenizer, model.get_input_embeddings().num_embeddings))
     return train_rows, eval_rows

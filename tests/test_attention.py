@@ -13,8 +13,8 @@ import torch
 from conftest import REPO
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from zero_utils.assets import BUNDLED_MODEL
 from zero_utils.data import attention, packing, sft_examples
-from zero_utils.model.loading import BUNDLED_MODEL
 from zero_utils.run.errors import UserError
 
 sys.path.insert(0, str(REPO / "tests" / "scripts"))

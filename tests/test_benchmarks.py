@@ -12,7 +12,7 @@ import sys
 import pytest
 from conftest import REPO, isolated_env
 
-import zero_utils.formulas.memory
+import zero_utils.formulas.model_states
 
 ENGINES = ["ddp", "zero1", "zero2", "zero3", "fsdp2", "fsdp2_zero2", "fsdp2_accelerate_prep"]
 
@@ -50,11 +50,11 @@ def test_comm_rows(results):
     assert rows["fsdp2"]["elements"]["reduce_scatter"] == results["num_params"]  # each gradient reduced once
     for r in rows.values():
         assert 0.4 < r["measured_over_theory"] < 2, r
-    # DeepSpeed's buckets are sized with formulas.memory's floor (25 MiB of fp32 elements), which holds all of
+    # DeepSpeed's buckets are sized with formulas.model_states's floor (25 MiB of fp32 elements), which holds all of
     # this model's gradients (3.3M elements): one gradient collective per step, as DDP's one 25 MiB bucket. With
     # accelerate's "auto" (h^2 = 65,536 elements) it was one per weight matrix (35 reduce-scatters, 33-41
     # all-reduces), 0.76x the Trainer's tokens/s.
-    assert results["num_params"] < zero_utils.formulas.memory.MIN_BUCKET_ELEMENTS
+    assert results["num_params"] < zero_utils.formulas.model_states.MIN_BUCKET_ELEMENTS
     assert rows["zero3"]["calls"]["c10d::_reduce_scatter_base_"] == 1
     for engine in ("zero1", "zero2"):
         assert rows[engine]["calls"]["c10d::allreduce_"] <= rows["ddp"]["calls"]["c10d::allreduce_"] + 1
@@ -247,8 +247,8 @@ def test_the_trl_benchmark_table_and_its_pairs_without_trl(tmp_path):
     bench = _trl_benchmark()
     args = bench.parser.parse_args(["--output_dir", str(tmp_path), "--skip_trl"])
     assert args.configs == ["fsdp2", "zero3"] and args.skip_trl and args.world_size == 2
+    from zero_utils.assets import BUNDLED_PREFERENCES
     from zero_utils.data.training import global_batch_indices
-    from zero_utils.preference.data import BUNDLED_PREFERENCES
 
     assert bench.ordered_pairs(tmp_path / "pairs.jsonl", 2, 8, 42) == 2000
     written = [json.loads(line) for line in (tmp_path / "pairs.jsonl").read_text().splitlines()]

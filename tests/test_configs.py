@@ -79,18 +79,20 @@ def test_zero_utils_never_imports_recipes():
                 assert not any(a.name.startswith("recipes") for a in node.names), path
 
 
-# zero_utils's folders, bottom first (zero_utils/__init__.py, docs/ARCHITECTURE.md): a module imports modules of its
-# own folder and of folders before it, never of a folder after it.
-FOLDERS = ["run", "checkpoint", "formulas", "data", "launch", "model", "train", "memory", "preference", "compare"]
+def allowed_imports() -> dict[str, set[str]]:
+    """docs/ARCHITECTURE.md's tiers table: each zero_utils folder -> the folders it may import."""
+    text = (REPO / "docs/ARCHITECTURE.md").read_text()
+    table = text[text.index("| folder | tier | may import |"):].split("\n\n")[0].splitlines()[2:]
+    rows = [[cell.strip() for cell in row.strip("|").split("|")] for row in table]
+    return {folder: {other.strip() for other in allowed.split(",") if other.strip()} for folder, _, allowed in rows}
 
 
 def zero_utils_imports(path: Path) -> set[str]:
     """The zero_utils modules a Python file imports, anywhere in it (function-level imports included), as dotted
-    paths below zero_utils: "run.errors" for a module, "data" for a folder's __init__ (its re-exports)."""
+    paths below zero_utils: "run.errors" for a module, "data" for a folder's __init__."""
     def module_or_package(dotted: str) -> str:
         return dotted if (REPO / "zero_utils" / f"{dotted.replace('.', '/')}.py").exists() or "." not in dotted \
             else dotted.rsplit(".", 1)[0]
-
     imported = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "zero_utils":
@@ -102,59 +104,79 @@ def zero_utils_imports(path: Path) -> set[str]:
     return imported
 
 
-def upward_imports(package: Path, folders: list[str]) -> list[str]:
-    """Every import, in `package`'s folders, of a folder after the importer's, or of a name that is not in a folder
-    (zero-recipes 0.1's flat names, which import only through zero_utils.MOVED), as "a imports b"."""
+def imports_outside_the_table(package: Path, allowed: dict[str, set[str]]) -> list[str]:
+    """Every import, in `package`'s folders, of a folder the importer's row does not name (or of a name that is no
+    folder), as "zero_utils.<folder>.<module> imports zero_utils.<name>, not in <folder>'s row"."""
     found = []
     for path in sorted(package.glob("*/*.py")):
         folder = path.parent.name
-        assert folder in folders, f"add zero_utils/{folder}/ to FOLDERS"
+        assert folder in allowed, f"add zero_utils/{folder}/ to docs/ARCHITECTURE.md's tiers table"
         for other in sorted(zero_utils_imports(path)):
             other_folder = other.split(".")[0]
-            if other_folder not in folders or folders.index(other_folder) > folders.index(folder):
-                found.append(f"zero_utils.{folder}.{path.stem} imports zero_utils.{other}")
+            if other_folder != folder and other_folder not in allowed[folder]:
+                found.append(f"zero_utils.{folder}.{path.stem} imports zero_utils.{other}, not in {folder}'s row")
     return found
 
 
-def test_zero_utils_folders_import_only_their_own_and_earlier_folders(tmp_path):
-    assert upward_imports(REPO / "zero_utils", FOLDERS) == []
-    # the check itself catches an upward import between folders (the formulas reaching up to the estimator) and a
-    # 0.1 name (which would import, through zero_utils.MOVED)
+def tiers(allowed: dict[str, set[str]]) -> dict[str, int]:
+    """Each folder's tier: 0 for a folder that imports none, else one above the highest it may import; a cycle
+    raises."""
+    tier: dict[str, int] = {}
+    while len(tier) < len(allowed):
+        ready = {f: max((tier[o] + 1 for o in deps), default=0) for f, deps in allowed.items()
+                 if f not in tier and all(o in tier for o in deps)}
+        assert ready, f"the tiers table has a cycle among {sorted(set(allowed) - set(tier))}"
+        tier.update(ready)
+    return tier
+
+
+def test_zero_utils_folders_import_only_what_the_tiers_table_allows(tmp_path):
+    """docs/ARCHITECTURE.md's table is the rule: every folder in it, every import within its row, no cycle, each
+    folder's stated tier the one its row gives, siblings (one tier) independent; a planted import outside it (the
+    formulas reaching up to the estimator; data reaching a sibling) fails, naming both folders."""
+    allowed = allowed_imports()
+    folders = sorted(p.name for p in (REPO / "zero_utils").iterdir() if (p / "__init__.py").is_file())
+    assert sorted(allowed) == folders
+    assert imports_outside_the_table(REPO / "zero_utils", allowed) == []
+    tier = tiers(allowed)
+    text = (REPO / "docs/ARCHITECTURE.md").read_text()
+    stated = dict(re.findall(r"^\| (\w+) \| (\d) \|", text, re.M))
+    assert {f: int(t) for f, t in stated.items()} == tier  # the table's tier column is what its rows make
+    assert all(tier[other] < tier[folder] for folder, deps in allowed.items() for other in deps)  # no sibling edge
+    print("tiers:", {t: sorted(f for f in tier if tier[f] == t) for t in sorted(set(tier.values()))})
     shutil.copytree(REPO / "zero_utils", tmp_path / "zero_utils", ignore=shutil.ignore_patterns("__pycache__"))
-    with (tmp_path / "zero_utils/formulas/memory.py").open("a") as f:
+    with (tmp_path / "zero_utils/formulas/model_states.py").open("a") as f:
         f.write("\n\ndef _upward():\n    from zero_utils.memory.estimate import ENGINES\n    return ENGINES\n")
     with (tmp_path / "zero_utils/data/packing.py").open("a") as f:
-        f.write("\n\ndef _flat():\n    from zero_utils import distributed\n    return distributed\n")
-    assert upward_imports(tmp_path / "zero_utils", FOLDERS) == [
-        "zero_utils.data.packing imports zero_utils.distributed",  # a 0.1 name
-        "zero_utils.formulas.memory imports zero_utils.memory.estimate"]
+        f.write("\n\ndef _sibling():\n    from zero_utils.checkpoint import policy\n    return policy\n")
+    assert imports_outside_the_table(tmp_path / "zero_utils", allowed) == [
+        "zero_utils.data.packing imports zero_utils.checkpoint.policy, not in data's row",
+        "zero_utils.formulas.model_states imports zero_utils.memory.estimate, not in formulas's row"]
 
 
 def test_each_folder_holds_a_few_modules_and_says_what():
-    """A folder is a concern a reader comes with: at most 12 modules (issue 68), and an __init__ whose docstring names
-    them."""
-    for folder in FOLDERS:
+    """A folder is a concern a reader comes with: at most 12 modules, and an __init__ whose docstring names them
+    (assets holds files, and their paths in its __init__)."""
+    for folder in allowed_imports():
         modules = sorted(p.stem for p in (REPO / "zero_utils" / folder).glob("*.py"))
         modules = [m for m in modules if not m.startswith("__")]
-        assert 1 <= len(modules) <= 12, (folder, modules)
+        assert len(modules) <= 12 and (modules or folder == "assets"), (folder, modules)
         doc = ast.get_docstring(ast.parse((REPO / "zero_utils" / folder / "__init__.py").read_text())) or ""
-        assert all(re.search(rf"\b{m}\b", doc) for m in modules), (folder, doc)
-    assert sorted(p.name for p in (REPO / "zero_utils").iterdir() if p.is_dir() and p.name != "__pycache__") == \
-        sorted([*FOLDERS, "assets"])
+        assert doc and all(re.search(rf"\b{m}\b", doc) for m in modules), (folder, doc)
 
 
 def test_memory_formulas_are_pure_arithmetic():
     """The formula modules (formulas/: memory, peak_terms) load neither torch nor accelerate, DeepSpeed or
     transformers (directly or through what they import): the estimator and a reader of the formulas need no
     distributed stack."""
-    code = ("import sys, zero_utils.formulas.memory, zero_utils.formulas.peak_terms; "
+    code = ("import sys, zero_utils.formulas.model_states, zero_utils.formulas.peak_terms; "
             "print(sorted({m.split('.')[0] for m in sys.modules} & "
             "{'torch', 'accelerate', 'deepspeed', 'transformers'}))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
 
-MAX_MODULE_LINES = 450
+MAX_MODULE_LINES = 500  # a guide for a reader (issue 68): nothing is squeezed to fit it
 MARKED = {"recipes/llama_lora.py": "recipes/llama_zero3.py", "recipes/llama_dpo_lora.py": "recipes/llama_dpo.py"}
 
 
@@ -227,8 +249,8 @@ def _tracked_text_files() -> list[Path]:
 def test_every_zero_utils_name_in_the_repository_exists():
     """Docs, YAML comments and docstrings name `zero_utils.<folder>.<module>[.<attribute>]`: each must import and
     resolve, so a module that is renamed or split cannot leave stale names behind (four YAMLs and a benchmark kept
-    naming the runtime module after it was split by job). 0.1's flat names (`zero_utils.accelerator`) import through
-    zero_utils.MOVED but are stale everywhere except on a line that describes 0.1."""
+    naming the runtime module after it was split by job). Names of 0.1 and 0.2 that no longer import may stand only
+    on a line that says "0.1" or "0.2" and in docs/ARCHITECTURE.md's rename table."""
     import importlib
     import re
 
@@ -238,17 +260,13 @@ def test_every_zero_utils_name_in_the_repository_exists():
     stale = []
     for path in _tracked_text_files():
         text = path.read_text()
-        describing_0_1 = {name for line in text.splitlines() if re.search(r"\b0\.1\b", line)
+        describing_old = {name for line in text.splitlines()
+                          if re.search(r"\b0\.[12]\b", line) or line.startswith("| `zero_utils.")
                           for name in re.findall(r"\bzero_utils(?:\.[A-Za-z_]\w*)+", line)}
-        for name in sorted(set(re.findall(r"\bzero_utils(?:\.[A-Za-z_]\w*)+", text))):
+        for name in sorted(set(re.findall(r"\bzero_utils(?:\.[A-Za-z_]\w*)+", text)) - describing_old):
             top, *attributes = name.split(".")[1:]
             if top in FOLDERS and shipped(top).is_dir() or (top.startswith("__") and hasattr(zero_utils, top)):
                 continue  # the shipped folders (packages of the installed wheel), the package's __version__, __file__
-            if top in zero_utils.MOVED:
-                if name not in describing_0_1 and path != REPO / "tests/test_install.py":  # a line that says "0.1"
-                    # may name 0.1's modules, and the test of what a recipe copied from 0.1 imports does
-                    stale.append(f"{path.relative_to(REPO)}: {name} (0.1's name)")
-                continue
             obj, parts = zero_utils, ["zero_utils"]
             for part in [top, *attributes]:
                 parts.append(part)
@@ -303,21 +321,22 @@ def test_fast_tier_launches_each_engine_family_and_reaches_every_module():
 
 # zero_utils modules each recipe may import: the full recipe's 11, the LoRA one 3 more, the DPO one 4 more, the
 # LoRA-DPO one 3 more than the DPO one.
-MAX_ZERO_UTILS_IMPORTS = {"recipes/llama_zero3.py": 11, "recipes/llama_lora.py": 11 + 3, "recipes/llama_dpo.py": 11 + 4,
-                          "recipes/llama_dpo_lora.py": 11 + 4 + 3}
+# 12: the bundled model's and data's paths come from zero_utils.assets (0.3), no longer from the modules that load them
+MAX_ZERO_UTILS_IMPORTS = {"recipes/llama_zero3.py": 12, "recipes/llama_lora.py": 12 + 3, "recipes/llama_dpo.py": 12 + 4,
+                          "recipes/llama_dpo_lora.py": 12 + 4 + 3}
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_reads_as_components(recipe):
-    """The recipe's shape as docs/ARCHITECTURE.md states it: a loop of at most 30 lines; no engine tested in it
+    """The recipe's shape as docs/ARCHITECTURE.md states it: a loop of at most 35 lines; no engine tested in it
     (engine-specific steps live in zero_utils.model.parallelize); an incompatible checkpoint refused before the model is
-    loaded; the fit check made before the data is prepared and the model built; the full recipe imports at most 11
+    loaded; the fit check made before the data is prepared and the model built; the full recipe imports at most 12
     zero_utils modules (the LoRA one at most 3 more, on [LoRA] lines; the DPO one 4 more: its data, loss and
     reference, held or precomputed; the LoRA-DPO one at most 3 more than the DPO one, on [LoRA] lines)."""
     tree = ast.parse((REPO / recipe).read_text())
     main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
     loop = next(n for n in ast.walk(main) if isinstance(n, ast.For) and getattr(n.target, "id", "") == "step")
-    assert loop.end_lineno - loop.lineno + 1 <= 30
+    assert loop.end_lineno - loop.lineno + 1 <= 35  # a guide for a reader (issue 68), not a target
     tested = [n.attr for n in ast.walk(main) if isinstance(n, ast.Attribute) and n.attr.startswith("is_")
               and getattr(n.value, "id", "") == "engine"]
     assert not tested, tested

@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from zero_utils.assets import BUNDLED_MODEL
 from zero_utils.data import packing, prepared_rows, sft_examples
 from zero_utils.data import sources as data_sources
 from zero_utils.data import training as data
-from zero_utils.model.loading import BUNDLED_MODEL
 from zero_utils.run.errors import UserError
 
 pytestmark = pytest.mark.unit

@@ -20,9 +20,9 @@ import sys
 from types import SimpleNamespace
 from transformers import AutoTokenizer
 from zero_utils.data.prepared_rows import prepare_rows
-from zero_utils.data.training import BUNDLED_DATASET
-from zero_utils.model.loading import BUNDLED_MODEL
-from zero_utils.preference.data import BUNDLED_PREFERENCES
+from zero_utils.assets import BUNDLED_DATASET
+from zero_utils.assets import BUNDLED_MODEL
+from zero_utils.assets import BUNDLED_PREFERENCES
 from zero_utils.preference.prepared_pairs import prepare_pairs
 
 one, tokenizer, root = SimpleNamespace(is_main_process=True, num_processes=1), AutoTokenizer.from_pretrained(
@@ -54,9 +54,7 @@ def age(folder, days: float) -> None:
 def test_the_cache_lists_and_prunes_but_never_a_folder_a_running_job_holds(tmp_path):
     from pathlib import Path
 
-    from zero_utils.data.training import BUNDLED_DATASET
-    from zero_utils.model.loading import BUNDLED_MODEL
-    from zero_utils.preference.data import BUNDLED_PREFERENCES
+    from zero_utils.assets import BUNDLED_DATASET, BUNDLED_MODEL, BUNDLED_PREFERENCES
 
     root = tmp_path / "rows"
     prepared = subprocess.run([sys.executable, "-c", PREPARE, str(root)], cwd=REPO, env=isolated_env(tmp_path),

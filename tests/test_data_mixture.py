@@ -130,9 +130,8 @@ def test_a_mixture_is_prepared_once_with_each_sources_draw_and_a_key_of_its_own(
 
     from transformers import AutoTokenizer
 
+    from zero_utils.assets import BUNDLED_DATASET, BUNDLED_MODEL
     from zero_utils.data.prepared_mixture import prepare_mixture_rows
-    from zero_utils.data.training import BUNDLED_DATASET
-    from zero_utils.model.loading import BUNDLED_MODEL
 
     tokenizer = AutoTokenizer.from_pretrained(BUNDLED_MODEL)
     alpaca = write_alpaca(tmp_path / "alpaca.json", 400)
@@ -173,7 +172,7 @@ def test_a_mixture_trains_under_fsdp2_and_a_relaunch_reuses_its_rows(tmp_path):
     summary.json names both sources and their shares, the data line too; a relaunch reuses the rows (2 launches)."""
     from conftest import isolated_env, launch
 
-    from zero_utils.data.training import BUNDLED_DATASET
+    from zero_utils.assets import BUNDLED_DATASET
 
     alpaca = write_alpaca(tmp_path / "alpaca.json", 400)
     mixture_file(tmp_path, "mix.yaml", [(BUNDLED_DATASET, 0.75, "train"), (str(alpaca), 0.25, "train")])
@@ -201,7 +200,7 @@ def test_the_dpo_recipe_trains_on_a_mixture_of_two_pair_files(tmp_path):
 
     from conftest import isolated_env, launch
 
-    from zero_utils.preference.data import BUNDLED_PREFERENCES
+    from zero_utils.assets import BUNDLED_PREFERENCES
 
     rows = [json.loads(line) for line in open(BUNDLED_PREFERENCES)][:300]
     (tmp_path / "renamed.jsonl").write_text("".join(json.dumps({"question": r["prompt"], "good": r["chosen"],
@@ -227,10 +226,8 @@ def test_a_source_the_recipe_cannot_train_is_one_sentence(tmp_path):
 
     from transformers import AutoTokenizer
 
+    from zero_utils.assets import BUNDLED_DATASET, BUNDLED_MODEL, BUNDLED_PREFERENCES
     from zero_utils.data.prepared_mixture import prepare_mixture_rows
-    from zero_utils.data.training import BUNDLED_DATASET
-    from zero_utils.model.loading import BUNDLED_MODEL
-    from zero_utils.preference.data import BUNDLED_PREFERENCES
     from zero_utils.preference.prepared_pairs import prepare_pairs
 
     one = SimpleNamespace(is_main_process=True, num_processes=1)
@@ -255,9 +252,8 @@ def test_each_sources_tokens_are_the_tokens_in_its_rows_after_truncation(tmp_pat
 
     from transformers import AutoTokenizer
 
+    from zero_utils.assets import BUNDLED_DATASET, BUNDLED_MODEL
     from zero_utils.data.prepared_mixture import prepare_mixture_rows
-    from zero_utils.data.training import BUNDLED_DATASET
-    from zero_utils.model.loading import BUNDLED_MODEL
 
     words = " ".join(["paris"] * 300)
     (tmp_path / "long.jsonl").write_text("".join(json.dumps({"messages": [
@@ -284,8 +280,7 @@ def test_an_unreachable_source_is_one_sentence_naming_it_before_any_source_is_re
     import subprocess
     import sys
 
-    from zero_utils.data.training import BUNDLED_DATASET
-    from zero_utils.preference.data import BUNDLED_PREFERENCES
+    from zero_utils.assets import BUNDLED_DATASET, BUNDLED_PREFERENCES
 
     for kind, bundled in (("sft", BUNDLED_DATASET), ("dpo", BUNDLED_PREFERENCES)):
         mixture_file(tmp_path, f"{kind}_missing.yaml", [(bundled, 0.5, "train"), ("data/missing.jsonl", 0.5, "train")])
@@ -297,7 +292,7 @@ from transformers import AutoTokenizer
 from zero_utils.data import sources
 from zero_utils.data.mixture import mixture_in_file
 from zero_utils.data.prepared_mixture import prepare_mixture_rows
-from zero_utils.model.loading import BUNDLED_MODEL
+from zero_utils.assets import BUNDLED_MODEL
 from zero_utils.preference.prepared_pairs import prepare_pairs
 from zero_utils.run.errors import UserError
 

@@ -17,12 +17,13 @@ import pytest
 from conftest import REPO
 from transformers import AutoConfig
 
-from zero_utils.data import hub, prepared_rows
+from zero_utils.assets import BUNDLED_MODEL
+from zero_utils.data import prepared_rows
 from zero_utils.data import sources as data_sources
 from zero_utils.data import training as data
 from zero_utils.data.sources import DataSource
 from zero_utils.model import loading as model
-from zero_utils.model.loading import BUNDLED_MODEL
+from zero_utils.run import hub
 from zero_utils.run.errors import UserError
 
 pytestmark = pytest.mark.unit

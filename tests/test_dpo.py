@@ -86,8 +86,8 @@ def test_lr_not_given_is_1e_3_for_a_config_only_model_and_refused_for_pretrained
     import yaml
     from conftest import REPO
 
+    from zero_utils.assets import BUNDLED_MODEL
     from zero_utils.launch.cli import parse_settings
-    from zero_utils.model.loading import BUNDLED_MODEL
 
     assert not any(Path(BUNDLED_MODEL).glob("*.safetensors"))  # the bundled model holds only a config
     assert learning_rate(None, BUNDLED_MODEL) == 1e-3
@@ -111,7 +111,7 @@ def test_lr_not_given_is_1e_3_for_a_config_only_model_and_refused_for_pretrained
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from zero_utils.model.loading import BUNDLED_MODEL
+    from zero_utils.assets import BUNDLED_MODEL
 
     return AutoTokenizer.from_pretrained(BUNDLED_MODEL)
 
@@ -356,7 +356,7 @@ def test_the_losses_are_those_of_the_in_memory_pairs_before(prepared_twice):
 def bundled_params() -> int:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from zero_utils.model.loading import BUNDLED_MODEL
+    from zero_utils.assets import BUNDLED_MODEL
 
     return sum(p.numel() for p in AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(BUNDLED_MODEL))
                .parameters())
@@ -430,7 +430,7 @@ def test_fsdp2_gathers_at_most_two_reference_units_at_once(dpo_run, config):
     module's forward is at most two of its largest units (the 1024 x 128 embedding or head), not the model."""
     from transformers import AutoConfig
 
-    from zero_utils.model.loading import BUNDLED_MODEL
+    from zero_utils.assets import BUNDLED_MODEL
 
     config_ = AutoConfig.from_pretrained(BUNDLED_MODEL)
     largest_unit = config_.vocab_size * config_.hidden_size + config_.hidden_size  # the head with the final norm
@@ -554,7 +554,7 @@ def test_the_default_run_learns_to_prefer_the_chosen_answers(runs):
 def test_a_set_without_pairs_and_a_loss_without_its_reference_are_one_sentence(runs):
     from test_bad_input import assert_one_sentence
 
-    from zero_utils.data.training import BUNDLED_DATASET
+    from zero_utils.assets import BUNDLED_DATASET
 
     sft = runs("dpo-bad-columns", *FOUR_STEPS, "--dataset", BUNDLED_DATASET, recipe=DPO, config="ddp", timeout=180)
     assert_one_sentence(sft, "has columns ['messages'] but a preference set needs prompt, chosen and rejected")
@@ -572,7 +572,7 @@ def ultrafeedback_like(path):
 
     import datasets
 
-    from zero_utils.preference.data import BUNDLED_PREFERENCES
+    from zero_utils.assets import BUNDLED_PREFERENCES
 
     rows = [json.loads(line) for line in open(BUNDLED_PREFERENCES)]
     datasets.Dataset.from_list([{
@@ -641,7 +641,7 @@ def test_a_resume_with_another_model_is_refused(runs, flow):
     _, dpo, data = flow
     from test_bad_input import assert_one_sentence
 
-    from zero_utils.model.loading import BUNDLED_MODEL
+    from zero_utils.assets import BUNDLED_MODEL
 
     run = runs("flow-dpo-resume-other-model", "--resume", str(dpo.output_dir / "checkpoints" / "step_150"),
                "--dataset", str(data), "--report_to", "none", recipe=DPO, config="fsdp2", timeout=180)

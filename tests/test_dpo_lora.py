@@ -49,7 +49,7 @@ def pairs_with_a_test_split(session_root) -> str:
     """The bundled pairs as a save_to_disk DatasetDict: the first HELD_OUT pairs are the test split."""
     from datasets import DatasetDict, load_dataset
 
-    from zero_utils.preference.data import BUNDLED_PREFERENCES
+    from zero_utils.assets import BUNDLED_PREFERENCES
 
     path = session_root / "dpo-lora-pairs"
     if not path.exists():
@@ -121,8 +121,8 @@ def held_out_log_probs(model, tokenizer, seq_len: int) -> list[tuple[torch.Tenso
     time, unpadded, from the model's logits (Rafailov et al. eq. 7)."""
     from datasets import load_dataset
 
+    from zero_utils.assets import BUNDLED_PREFERENCES
     from zero_utils.data.sft_examples import IGNORE_INDEX
-    from zero_utils.preference.data import BUNDLED_PREFERENCES
     from zero_utils.preference.examples import tokenize_pair
 
     def answer_log_prob(ids, labels):

@@ -134,7 +134,7 @@ def test_resumed_run_continues_the_same_wandb_run(smoke, runs, session_root):
 
 
 # Model-state bytes per trainable parameter per rank in bf16 mixed precision at N ranks, as the README's table
-# states them (written out here, not computed by zero_utils.formulas.memory).
+# states them (written out here, not computed by zero_utils.formulas.model_states).
 BF16_BYTES_PER_PARAM = {"ddp": lambda n: 16, "zero1": lambda n: 2 + 18 / n, "zero2": lambda n: 2 + 18 / n,
                         "zero3": lambda n: 22 / n, "fsdp2": lambda n: 16 / n}  # ZeRO-3: fp32 reduced grads
 

@@ -11,7 +11,7 @@ import re
 import pytest
 from conftest import LOSS_CHUNK
 
-from zero_utils.formulas.memory import architecture_from_sizes, model_state_bytes
+from zero_utils.formulas.model_states import architecture_from_sizes, model_state_bytes
 from zero_utils.memory import command as memory
 from zero_utils.memory.estimate import Setup, fit_verdict
 from zero_utils.run.engine import Engine
@@ -212,8 +212,9 @@ class OneProcess:
 
 
 def check_bundled(**kwargs):
+    from zero_utils.assets import BUNDLED_MODEL
     from zero_utils.memory.fit_check import check_fit
-    from zero_utils.model.loading import BUNDLED_MODEL, load_config
+    from zero_utils.model.loading import load_config
 
     accelerator = OneProcess()
     check = check_fit(accelerator, Engine.parse("single"), load_config(BUNDLED_MODEL), seq_len=64, micro_batch_size=4,

@@ -60,8 +60,7 @@ def test_the_wheel_ships_the_library_recipes_yamls_presets_and_assets(installed)
     code = ("import json, importlib.metadata as m, zero_utils\n"
             "from zero_utils.launch.shipped import shipped, recipe_names\n"
             "from zero_utils.launch.launcher import config_file\n"
-            "from zero_utils.model.loading import BUNDLED_MODEL\n"
-            "from zero_utils.data.training import BUNDLED_DATASET\n"
+            "from zero_utils.assets import BUNDLED_DATASET, BUNDLED_MODEL\n"
             "print(json.dumps({'file': zero_utils.__file__, 'version': zero_utils.__version__,"
             " 'dist': m.version('zero-recipes'), 'recipes': recipe_names(), 'fsdp2': str(config_file('fsdp2')),"
             " 'presets': sorted(p.name for p in shipped('presets').glob('*.yaml')), 'model': BUNDLED_MODEL,"
@@ -89,7 +88,7 @@ def test_copy_writes_a_recipe_its_yamls_and_presets_and_refuses_with_one_sentenc
         "accelerate_configs/ddp.yaml", "accelerate_configs/fsdp2.yaml", "accelerate_configs/zero3.yaml",
         "llama_lora.py", "presets/llama-3.1-8b-lora.yaml"]
     first_line = (dest / "llama_lora.py").read_text().splitlines()[0]
-    assert first_line.endswith("(copied from zero-recipes 0.2.0)")
+    assert first_line.endswith("(copied from zero-recipes 0.3.0)")
     assert "recipes/llama_lora.py" not in (dest / "llama_lora.py").read_text()  # its commands run from DEST
     python(env, work, "-m", "zero_utils", "copy", "llama_dpo", str(dest))  # the YAMLs it shares are the same
     for recipe in ("llama_lora.py", "llama_dpo.py"):
@@ -109,65 +108,53 @@ def test_copy_writes_a_recipe_its_yamls_and_presets_and_refuses_with_one_sentenc
     assert (dest / "accelerate_configs" / "fsdp2.yaml").read_text() == shipped_yaml  # --force overwrote it
 
 
-# A recipe copied from zero-recipes 0.1: the zero_utils lines of its four recipes as 0.1 shipped them, and 0.1's modules
-# (one folder of them, before the folders by concern).
-IMPORTS_OF_0_1_RECIPES = """\
-from zero_utils import distributed, tracking
-from zero_utils.accelerator import build_accelerator, close_and_exit
-from zero_utils.checkpoint import Checkpointer
-from zero_utils.cli import flag, run_recipe
-from zero_utils.data import BUNDLED_DATASET, DataSource, TrainingData
-from zero_utils.deepspeed_setup import zero3_init_disabled
-from zero_utils.fit_check import check_fit
-from zero_utils.measurement import RunMeasurements, checkpoint_bytes
-from zero_utils.model import (BUNDLED_MODEL, choose_attention, count_parameters, gather_trainable_state_dict,
-                              greedy_answer, load_causal_lm, load_config, load_tokenizer)
-from zero_utils.optim import build_adamw, clip_gradients, describe_param_groups, lr_at, set_lr
-from zero_utils.parallelize import FSDPWrapping, after_prepare, parallelize
-from zero_utils.preference_data import BUNDLED_PREFERENCES, PreferenceData
-from zero_utils.preference_loss import LOSSES, answer_log_probs, averages_log_probs, objective_sum, pair_scores, resolve
-from zero_utils.qlora import quantization_config
-from zero_utils.reference_logps import PrecomputedReference
-from zero_utils.reference_model import ReferenceModel, adapters_off
-from zero_utils.token_loss import TokenLosses
-"""
-MODULES_OF_0_1 = """accelerator activation_offload attention checkpoint checkpoint_export checkpoint_storage cli compare
-    compare_report compiling data data_mixture data_sources deepspeed_setup distributed engine errors evidence fit_check
-    hub launcher measurement memory memory_estimate memory_formulas model optim packing parallelize peak_terms
-    preference_data preference_examples preference_loss prepared_mixture prepared_pairs prepared_rows qlora recipe_copy
-    reference_logps reference_model sft_examples shipped stop_signals token_loss tracking transfer versions
-    wrapping""".split()
-NOW_FOLDERS = {"checkpoint", "compare", "data", "memory", "model"}  # 0.1 modules whose names are folders now
+# zero-recipes 0.1 kept its modules in one folder; 0.2 moved them into folders by concern and imported the old names
+# too; 0.3 does not (docs/ARCHITECTURE.md's rename table maps each). The 0.1 modules whose names are not folders now:
+MODULES_OF_0_1 = """accelerator activation_offload attention checkpoint_export checkpoint_storage cli compare_report
+    compiling data_mixture data_sources deepspeed_setup distributed engine errors evidence fit_check hub launcher
+    measurement memory_estimate memory_formulas optim packing parallelize peak_terms preference_data
+    preference_examples preference_loss prepared_mixture prepared_pairs prepared_rows qlora recipe_copy reference_logps
+    reference_model sft_examples shipped stop_signals token_loss tracking transfer versions wrapping""".split()
+
+
+def recipe_imports() -> str:
+    """Every `from zero_utils... import ...` line of the shipped recipes, one name per line."""
+    lines = set()
+    for recipe in sorted((REPO / "recipes").glob("*.py")):
+        for node in ast.walk(ast.parse(recipe.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("zero_utils"):
+                lines |= {f"from {node.module} import {alias.name}" for alias in node.names}
+    return "\n".join(sorted(lines)) + "\n"
 
 
 @pytest.mark.unit
-def test_what_a_recipe_copied_from_0_1_imports_imports_from_the_installed_package(installed):
-    """Every 0.1 module name imports: a folder now, or the module of a folder it became, as one object under both
-    names (a patch through either is seen through both) that keeps its own spec; every name 0.1's recipes imported is
-    the object defined at its path now."""
-    _, env, work = installed
-    code = IMPORTS_OF_0_1_RECIPES + textwrap.dedent("""
+def test_every_name_the_recipes_import_comes_from_the_wheel_and_no_0_1_name_imports(installed):
+    """The zero_utils names of every shipped recipe import from T, each defined in a module of T; every 0.1 module
+    name that is not a folder now (memory_formulas, accelerator, ...) is a ModuleNotFoundError."""
+    target, env, work = installed
+    imports = recipe_imports()
+    code = imports + textwrap.dedent("""
         import importlib, json, sys, types
-        modules = {old: importlib.import_module(f"zero_utils.{old}") for old in sys.argv[1:]}
-        callables = {name: value for name, value in list(globals().items())
-                     if callable(value) and not isinstance(value, types.ModuleType) and not name.startswith("__")}
-        print(json.dumps({
-            "modules": {old: [m.__name__, m.__spec__.name, sys.modules[m.__name__] is m] for old, m in modules.items()},
-            "names": {name: [value.__module__, getattr(sys.modules[value.__module__], value.__name__, None) is value]
-                      for name, value in callables.items()}}))
+        found = {}
+        for line in sys.argv[1].splitlines():  # from M import N: M's file, and the file of the module defining N
+            _, module, _, name = line.split()
+            value = getattr(importlib.import_module(module), name)
+            own = value if isinstance(value, types.ModuleType) else sys.modules.get(getattr(value, "__module__", ""))
+            found[name] = [sys.modules[module].__file__, getattr(own, "__file__", None)]
+        missing = {}
+        for old in sys.argv[2:]:
+            try:
+                importlib.import_module(f"zero_utils.{old}")
+            except ModuleNotFoundError as error:
+                missing[old] = error.name
+        print(json.dumps({"found": found, "missing": missing}))
         """)
-    found = json.loads(python(env, work, "-c", code, *MODULES_OF_0_1).stdout)
-    for old in MODULES_OF_0_1:
-        name, spec_name, one_object = found["modules"][old]
-        if old in NOW_FOLDERS:
-            assert name == f"zero_utils.{old}", (old, name)
-        else:
-            assert len(name.split(".")) == 3 and spec_name == name and one_object, (old, name, spec_name)
-    imported = {alias.name for node in ast.parse(IMPORTS_OF_0_1_RECIPES).body for alias in node.names}
-    assert set(found["names"]) == imported - {"distributed", "tracking", "BUNDLED_DATASET", "BUNDLED_MODEL",
-                                              "BUNDLED_PREFERENCES", "LOSSES"}  # modules, strings, a dict
-    for name, (module, same) in found["names"].items():
-        assert len(module.split(".")) == 3 and same, (name, module)
+    result = json.loads(python(env, work, "-c", code, imports, *MODULES_OF_0_1).stdout)
+    names = {line.split()[-1] for line in imports.splitlines()}
+    assert len(names) > 40 and set(result["found"]) == names
+    for name, files in result["found"].items():  # strings and dicts have no module of their own: None
+        assert all(f is None or f.startswith(str(target / "zero_utils")) for f in files) and files[0], (name, files)
+    assert result["missing"] == {old: f"zero_utils.{old}" for old in MODULES_OF_0_1}
 
 
 @pytest.mark.unit

@@ -116,7 +116,7 @@ def test_merge_of_a_config_only_base_is_the_trained_model(runs, tmp_path):
     import plain_loop
     from transformers import AutoModelForCausalLM
 
-    from zero_utils.model.loading import BUNDLED_MODEL
+    from zero_utils.assets import BUNDLED_MODEL
 
     run = runs("lora-fsdp2-config-only-merge", "--max_steps", "3", "--seq_len", "64", "--lora_dropout", "0",
                "--max_new_tokens", "0", "--report_to", "none", "--merge", "--per_device_batch_size", "4",

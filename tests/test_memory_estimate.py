@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import REPO
 
-from zero_utils.formulas import memory as formulas
+from zero_utils.formulas import model_states as formulas
 from zero_utils.memory import command as memory
 from zero_utils.memory import estimate as estimator
 from zero_utils.run.engine import Engine

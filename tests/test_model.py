@@ -7,7 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from zero_utils.model.loading import BUNDLED_MODEL, load_causal_lm
+from zero_utils.assets import BUNDLED_MODEL
+from zero_utils.model.loading import load_causal_lm
 from zero_utils.run.errors import UserError
 
 pytestmark = pytest.mark.unit

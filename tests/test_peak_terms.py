@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from zero_utils.formulas.memory import architecture_from_sizes
+from zero_utils.formulas.model_states import architecture_from_sizes
 from zero_utils.formulas.peak_terms import LOSS_BACKWARD_BYTES, peak_terms
 from zero_utils.run.engine import Engine
 from zero_utils.train.measurement import count_saved_activations

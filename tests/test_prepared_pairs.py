@@ -17,9 +17,8 @@ import pytest
 from conftest import REPO
 from transformers import AutoTokenizer
 
+from zero_utils.assets import BUNDLED_MODEL, BUNDLED_PREFERENCES
 from zero_utils.data.sources import DataSource, choose_splits, load_raw_dataset
-from zero_utils.model.loading import BUNDLED_MODEL
-from zero_utils.preference.data import BUNDLED_PREFERENCES
 from zero_utils.preference.examples import PAIR_COLUMNS, pair_layout, tokenize_pair
 from zero_utils.preference.prepared_pairs import prepare_pairs
 
@@ -144,7 +143,7 @@ sys.path.insert(0, {scripts!r})
 from types import SimpleNamespace
 from transformers import AutoTokenizer
 from harness import _RssAnonPeak
-from zero_utils.model.loading import BUNDLED_MODEL
+from zero_utils.assets import BUNDLED_MODEL
 from zero_utils.preference.prepared_pairs import prepare_pairs
 from zero_utils.data.sources import DataSource, load_raw_dataset
 tokenizer = AutoTokenizer.from_pretrained(BUNDLED_MODEL)

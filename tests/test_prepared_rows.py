@@ -16,10 +16,10 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from zero_utils.assets import BUNDLED_DATASET, BUNDLED_MODEL
 from zero_utils.data import packing, prepared_rows, sft_examples
 from zero_utils.data import sources as data_sources
 from zero_utils.data import training as data
-from zero_utils.model.loading import BUNDLED_MODEL
 from zero_utils.run.errors import UserError
 
 pytestmark = pytest.mark.unit
@@ -91,8 +91,8 @@ def as_lists(rows):
 def test_bounded_packer_gives_the_reference_rows_on_the_bundled_data(tmp_path, tokenizer, seq_len):
     """The streaming preparation (chunks of examples, the open row carried, Arrow rows) writes exactly the rows the
     old one-batch packer made of the same split, train and held-out alike."""
-    train, evald, info = prepare(tmp_path, tokenizer, data.BUNDLED_DATASET, seq_len=seq_len, eval_fraction=0.1)
-    raw = data_sources.load_raw_dataset(data.BUNDLED_DATASET)["train"].train_test_split(test_size=0.1, seed=0)
+    train, evald, info = prepare(tmp_path, tokenizer, BUNDLED_DATASET, seq_len=seq_len, eval_fraction=0.1)
+    raw = data_sources.load_raw_dataset(BUNDLED_DATASET)["train"].train_test_split(test_size=0.1, seed=0)
     pad = data.pad_token_id_within(tokenizer, len(tokenizer))
     for rows, split in ((train, raw["train"]), (evald, raw["test"])):
         tokenized = [sft_examples.tokenize_example(tokenizer, sft_examples.to_messages(ex, "messages")) for ex in split]
@@ -108,8 +108,8 @@ def test_rows_do_not_depend_on_the_chunk_sizes(tmp_path, tokenizer, monkeypatch)
     stay the reference's."""
     monkeypatch.setattr(prepared_rows, "CHUNK_EXAMPLES", 7)
     monkeypatch.setattr(prepared_rows, "WRITE_TOKENS", 3 * 96)
-    train, _, info = prepare(tmp_path, tokenizer, data.BUNDLED_DATASET, seq_len=96)
-    split = data_sources.load_raw_dataset(data.BUNDLED_DATASET)["train"]
+    train, _, info = prepare(tmp_path, tokenizer, BUNDLED_DATASET, seq_len=96)
+    split = data_sources.load_raw_dataset(BUNDLED_DATASET)["train"]
     tokenized = [sft_examples.tokenize_example(tokenizer, sft_examples.to_messages(ex, "messages")) for ex in split]
     expected, _ = reference_pack_examples(tokenized, 96, data.pad_token_id_within(tokenizer, len(tokenizer)))
     assert as_lists(train) == expected
@@ -237,8 +237,8 @@ def test_rows_are_the_same_for_any_num_proc(tmp_path, tokenizer):
     folder holds the rows and info.json, nothing else."""
     import hashlib
 
-    one = prepare(tmp_path, tokenizer, data.BUNDLED_DATASET, eval_fraction=0.05, num_proc=1, cache="one")
-    two = prepare(tmp_path, tokenizer, data.BUNDLED_DATASET, eval_fraction=0.05, num_proc=2, cache="two")
+    one = prepare(tmp_path, tokenizer, BUNDLED_DATASET, eval_fraction=0.05, num_proc=1, cache="one")
+    two = prepare(tmp_path, tokenizer, BUNDLED_DATASET, eval_fraction=0.05, num_proc=2, cache="two")
     assert len(one[0]) > 0 and one[2]["train_examples"] >= prepared_rows.PARALLEL_MIN_EXAMPLES
     for name in ("train.arrow", "eval.arrow"):
         digests = {hashlib.sha256((Path(info["folder"]) / name).read_bytes()).hexdigest() for *_, info in (one, two)}

@@ -13,7 +13,7 @@ from peft import LoraConfig, get_peft_model
 from torch.distributed.fsdp import fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from zero_utils.model.loading import BUNDLED_MODEL
+from zero_utils.assets import BUNDLED_MODEL
 from zero_utils.preference.reference_model import adapters_off
 
 

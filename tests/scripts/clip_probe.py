@@ -17,7 +17,8 @@ import torch
 def main(out: str) -> None:
     from accelerate.utils import set_seed
 
-    from zero_utils.model.loading import BUNDLED_MODEL, load_causal_lm
+    from zero_utils.assets import BUNDLED_MODEL
+    from zero_utils.model.loading import load_causal_lm
     from zero_utils.model.parallelize import FSDPWrapping, after_prepare, parallelize
     from zero_utils.run.accelerator import build_accelerator
     from zero_utils.run.distributed import gathered

@@ -23,8 +23,9 @@ from accelerate.utils import gather_object
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from zero_utils.assets import BUNDLED_MODEL
 from zero_utils.model import wrapping
-from zero_utils.model.loading import BUNDLED_MODEL, count_parameters, load_causal_lm
+from zero_utils.model.loading import count_parameters, load_causal_lm
 from zero_utils.run.accelerator import build_accelerator
 from zero_utils.run.engine import Engine
 

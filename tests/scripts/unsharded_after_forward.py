@@ -21,8 +21,9 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
+from zero_utils.assets import BUNDLED_MODEL
 from zero_utils.model import wrapping
-from zero_utils.model.loading import BUNDLED_MODEL, load_causal_lm
+from zero_utils.model.loading import load_causal_lm
 from zero_utils.run.accelerator import build_accelerator
 from zero_utils.run.engine import Engine
 

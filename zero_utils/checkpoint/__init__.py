@@ -1,9 +1,3 @@
 """Checkpoints: the policy of a run (policy: `Checkpointer`, resume, cadence, what a resume must match), where the
 bytes go and how they come back (storage: DCP or DeepSpeed's own format) and a checkpoint as a Hugging Face folder
-(export; `python -m zero_utils.checkpoint export ...`).
-
-`from zero_utils.checkpoint import Checkpointer` imports as it did before the modules had folders (0.1)."""
-
-from zero_utils.checkpoint.policy import Checkpointer
-
-__all__ = ["Checkpointer"]
+(export; `python -m zero_utils.checkpoint export ...`)."""

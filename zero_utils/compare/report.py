@@ -213,7 +213,7 @@ def write_report(output_dir: Path, runs: list[dict], command: str, group: str | 
              f"Software: {', '.join(f'{k} {v}' for k, v in (first.get('versions') or {}).items())}.", "",
              "MB = 1e6 bytes, per rank (the maximum over ranks). Model states = params + grads + optimizer state, "
              "the most measured after any micro-batch's backward or optimizer update of the first two steps; expected "
-             "= zero_utils.formulas.memory's formula. Peak memory is the largest training step's own peak: the "
+             "= zero_utils.formulas.model_states's formula. Peak memory is the largest training step's own peak: the "
              "accelerator allocator's on GPU, the process RSS high-water mark on CPU (which also holds the Python "
              "runtime and libraries, several hundred MB the estimate leaves out); estimated = the recipe's fit "
              "check before the run (zero_utils.memory.fit_check). tokens/s is global and "

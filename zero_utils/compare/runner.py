@@ -152,7 +152,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _model_name(recipe_args: list[str]) -> str:
     """The --model the recipe flags name (its last path part), else the bundled model's."""
-    from zero_utils.model.loading import BUNDLED_MODEL
+    from zero_utils.assets import BUNDLED_MODEL
 
     model = next((a.split("=", 1)[1] for a in recipe_args if a.startswith("--model=")), None)
     if model is None and "--model" in recipe_args[:-1]:

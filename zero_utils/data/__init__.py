@@ -1,11 +1,5 @@
-"""Data, from where it comes to the rows a rank trains on: reaching the Hub (hub), the layouts and splits users keep
-(sources), weighted mixtures (mixture), one SFT example as tokens (sft_examples), packing (packing), how packed rows
-keep examples apart under each attention implementation (attention), rows prepared once per job (prepared_rows,
-prepared_mixture), the cache of prepared folders, listed and pruned (cache: `python -m zero_utils.data cache`) and a
-run's training data (training: `TrainingData`).
-
-`from zero_utils.data import BUNDLED_DATASET, DataSource, TrainingData` imports as it did in 0.1."""
-
-from zero_utils.data.training import BUNDLED_DATASET, DataSource, TrainingData
-
-__all__ = ["BUNDLED_DATASET", "DataSource", "TrainingData"]
+"""Data, from where it comes to the rows a rank trains on: the layouts and splits users keep (sources), weighted
+mixtures (mixture), one SFT example as tokens (sft_examples), packing (packing), how packed rows keep examples apart
+under each attention implementation (attention), rows prepared once per job (prepared_rows, prepared_mixture), the
+cache of prepared folders, listed and pruned (cache: `python -m zero_utils.data cache`) and a run's training data
+(training: `TrainingData`)."""

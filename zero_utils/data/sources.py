@@ -9,7 +9,7 @@ sets with their configuration and revision, and which split trains and which eva
 Splits: `split` is "TRAIN[,EVAL]"; without it the train split is "train" (else the first), and the eval split the
 data set's "validation" or "test" (else a fraction of the train split is held out by the caller). A name the data set
 does not have is a `UserError` listing those it has; so are an empty file, a folder with no data file of a known
-kind, an unknown configuration, and any failure to reach the Hub (zero_utils.data.hub).
+kind, an unknown configuration, and any failure to reach the Hub (zero_utils.run.hub).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from zero_utils.data.hub import failure_sentence, reaching
 from zero_utils.run.errors import UserError
+from zero_utils.run.hub import failure_sentence, reaching
 
 BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text",
             ".arrow": "arrow"}

@@ -30,7 +30,6 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -42,7 +41,6 @@ from zero_utils.data.sources import DataSource
 from zero_utils.run.errors import UserError
 from zero_utils.run.transfer import to_device
 
-BUNDLED_DATASET = str(Path(__file__).resolve().parents[1] / "assets" / "sft_tiny.jsonl")
 
 def pad_token_id_within(tokenizer, vocab_size: int) -> int:
     """The id packed rows are padded with: the tokenizer's pad token, else its EOS, else 0, whichever comes first

@@ -1,6 +1,6 @@
 """The bytes a GPU holds at its peak that grow with real shapes, beyond model states, Korthikanti's activations and
-the engines' buffers (zero_utils.formulas.memory): four terms the estimate adds, each printed on its own. Pure
-arithmetic, like formulas.memory (no torch). Units: bytes. s = seq_len, b = rows per micro-batch, h = hidden size,
+the engines' buffers (zero_utils.formulas.model_states): four terms the estimate adds, each printed on its own. Pure
+arithmetic, like formulas.model_states (no torch). Units: bytes. s = seq_len, b = rows per micro-batch, h = hidden size,
 L = layers, V = vocabulary, e = bytes per compute element (2 in bf16, 4 in fp32).
 
 - Block mask of packed rows under sdpa (`packed_mask_bytes`). transformers builds one bool (b, 1, s, s) mask per
@@ -20,7 +20,7 @@ L = layers, V = vocabulary, e = bytes per compute element (2 in bf16, 4 in fp32)
 - FSDP2's fp32 reduce-scatter input (`fsdp2_reduce_scatter_bytes`). With bf16 parameters and an fp32 reduce dtype
   (zero_utils.model.wrapping's MixedPrecisionPolicy), each unit's bf16 gradient is copied into an fp32 buffer for its
   reduce-scatter: 4 bytes per trainable parameter of the largest unit (the input embedding at a 128k vocabulary and
-  h 4096: 2.1 GB), on top of the bf16 gradient formulas.memory counts. fp32 training reduces in place: 0.
+  h 4096: 2.1 GB), on top of the bf16 gradient formulas.model_states counts. fp32 training reduces in place: 0.
 - Autocast weight copies (`autocast_copies_bytes`). DDP and one process in bf16 run autocast over fp32 weights:
   every matmul weight (all parameters but the input embedding and vectors of <= 10 h elements) gets a bf16 copy
   (2 bytes each), kept for backward, trainable and frozen alike. With activation checkpointing only autocast's cache
@@ -32,7 +32,7 @@ communicator buffers, the caching allocator's fragmentation, cuBLAS workspaces.
 
 from __future__ import annotations
 
-from zero_utils.formulas.memory import Architecture, element_bytes
+from zero_utils.formulas.model_states import Architecture, element_bytes
 from zero_utils.run.engine import Engine
 
 TERMS = ("block_mask", "loss_backward", "fp32_reduce_scatter", "autocast_copies")  # their order in every print-out

@@ -1,5 +1,5 @@
 """`python -m zero_utils.memory`: the memory estimator's command line (the estimate: zero_utils.memory.estimate; the
-formulas behind it: zero_utils.formulas.memory). Prints a table (or --json) of the per-GPU bytes of every engine
+formulas behind it: zero_utils.formulas.model_states). Prints a table (or --json) of the per-GPU bytes of every engine
 and, with --device_memory, the cheapest engine that fits and its launch line. A user error prints one line, exit 2.
 Example: `python -m zero_utils.memory --params 7B --num_gpus 8` (see --help).
 """
@@ -11,7 +11,7 @@ import json
 import re
 import sys
 
-from zero_utils.formulas.memory import OPTIMIZERS, REFERENCES, architecture_from_sizes
+from zero_utils.formulas.model_states import OPTIMIZERS, REFERENCES, architecture_from_sizes
 from zero_utils.formulas.peak_terms import TERM_NAMES, TERMS
 from zero_utils.memory.estimate import (
     ENGINES,

@@ -1,5 +1,5 @@
 """The memory estimator: for a model, a cluster and a run's shape, the per-GPU bytes of every engine (from
-zero_utils.formulas.memory), whether each fits a GPU, the cheapest engine that does and its launch line, and what
+zero_utils.formulas.model_states), whether each fits a GPU, the cheapest engine that does and its launch line, and what
 to change when nothing fits. Its command line is `python -m zero_utils.memory` (memory.command). Units: bytes.
 """
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from zero_utils.formulas.memory import (
+from zero_utils.formulas.model_states import (
     OFFLOAD_INPUTS_ON_DEVICE,
     REFERENCES,
     Architecture,

@@ -3,7 +3,7 @@ zero_utils.model.parallelize and zero_utils.model.loading):
 
 - building the model: `zero3_init_disabled` builds it whole even under a ZeRO-3 launch (random init);
 - before `accelerator.prepare`: `size_deepspeed_buckets` writes the communication bucket sizes
-  (`formulas.memory.deepspeed_bucket_elements`) into DeepSpeed's config;
+  (`formulas.model_states.deepspeed_bucket_elements`) into DeepSpeed's config;
 - after `accelerator.prepare`: `restore_fp32_master_weights` sets the fp32 master from the checkpoint's fp32 weights.
 Engines: DeepSpeed ZeRO-1/2/3 (each is a no-op under the others).
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from zero_utils.formulas.memory import deepspeed_bucket_elements
+from zero_utils.formulas.model_states import deepspeed_bucket_elements
 
 
 @contextlib.contextmanager

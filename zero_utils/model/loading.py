@@ -12,14 +12,13 @@ from pathlib import Path
 
 import torch
 
-from zero_utils.data.hub import reaching
 from zero_utils.data.sft_examples import render_prompt
 from zero_utils.model.deepspeed_setup import zero3_init_disabled
 from zero_utils.model.wrapping import reshard_after_inference
 from zero_utils.run import distributed
 from zero_utils.run.errors import UserError
+from zero_utils.run.hub import reaching
 
-BUNDLED_MODEL = str(Path(__file__).resolve().parents[1] / "assets" / "tiny-llama")
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 
 
@@ -48,7 +47,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, revision: str | None = None):
     """Load the tokenizer (at the Hub `revision`, if given). One without a pad token gets its EOS token as pad
     (padding never reaches the loss). A folder without tokenizer files, or a Hub id that cannot be reached, is a
-    `UserError` (zero_utils.data.hub)."""
+    `UserError` (zero_utils.run.hub)."""
     from transformers import AutoTokenizer
 
     local = _check_local(name_or_path)
@@ -84,7 +83,7 @@ def check_on_every_node(accelerator, name_or_path: str, flag: str = "--model") -
 def load_config(name_or_path: str, trust_remote_code: bool = False, revision: str | None = None, *,
                 accelerator=None):
     """Load the model config (no weights, at the Hub `revision` if given); `UserError` if the path is missing, the
-    Hub id cannot be reached (zero_utils.data.hub) or the model is not a causal LM. With the job's `accelerator`
+    Hub id cannot be reached (zero_utils.run.hub) or the model is not a causal LM. With the job's `accelerator`
     (every rank must then call it), a local path that exists on some nodes only is one sentence on every rank
     naming the machine ranks that lack it (`check_on_every_node`)."""
     from transformers import AutoConfig

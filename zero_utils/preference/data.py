@@ -15,7 +15,6 @@ global batch's chosen answer tokens (for `--sft_weight`), known on every rank wi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -26,8 +25,6 @@ from zero_utils.preference.examples import parse_pair_columns
 from zero_utils.preference.prepared_pairs import prepare_pairs
 from zero_utils.run.errors import UserError
 from zero_utils.run.transfer import to_device
-
-BUNDLED_PREFERENCES = str(Path(__file__).resolve().parents[1] / "assets" / "dpo_tiny.jsonl")  # tools/make_assets.py
 
 
 @dataclass

@@ -4,7 +4,7 @@ Owns: the launch environment `accelerate launch` exports, the CPU (gloo) adaptat
 workaround, the DeepSpeed config values the recipe flags decide (micro-batch, accumulation, clipping, bucket
 sizes) and the check that the engine built is the engine asked for.
 
-On a machine without CUDA, accelerate 1.15 silently degrades two launches (docs/ARCHITECTURE.md):
+On a machine without CUDA, accelerate 1.15 silently degrades two launches (docs/CPU.md):
 - an FSDP launch becomes N independent single-process trainings that all believe they are rank 0;
 - a DDP (MULTI_GPU) launch shards the data but never synchronises gradients.
 `build_accelerator` prepares accelerate's shared state so that FSDP2, DDP and DeepSpeed all run for real over
@@ -369,4 +369,4 @@ def check_launch(accelerator) -> None:
         problems.append("no data parallelism (gradients would never be synchronised)")
     if problems:
         raise RuntimeError("accelerate did not build the requested engine: " + "; ".join(problems) + ". This is "
-                           "accelerate's silent CPU fallback (docs/ARCHITECTURE.md); check the accelerate version.")
+                           "accelerate's silent CPU fallback (docs/CPU.md); check the accelerate version.")

@@ -4,7 +4,7 @@ the loop to end. Catching is local to a process; the ranks agree on a stop throu
 (zero_utils.train.measurement.RunMeasurements.end_step).
 
 torchrun forwards a signal sent to the launcher to every worker and kills them after its 30 s grace period, so
-the save that follows must fit in that time (docs/ARCHITECTURE.md). No zero_utils imports.
+the save that follows must fit in that time (docs/CPU.md). No zero_utils imports.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Measurement: what a run measures on itself, reported next to what the formulas predict
-(zero_utils.formulas.memory): model-state bytes per rank walked from the live tensors, device-memory peaks, bytes
+(zero_utils.formulas.model_states): model-state bytes per rank walked from the live tensors, device-memory peaks, bytes
 autograd saves for backward, step time and tokens/s, and a checkpoint's disk use. `RunMeasurements` is the one
 object a recipe holds for all of it. Units: bytes, seconds, tokens/s. Engines: all.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from zero_utils.formulas.memory import expected_model_state_bytes, numel
+from zero_utils.formulas.model_states import expected_model_state_bytes, numel
 from zero_utils.model.wrapping import fsdp2_held_gradients, reshard_after_inference
 from zero_utils.run import distributed, errors, stop_signals
 from zero_utils.run.engine import Engine, shard_group_size
@@ -73,8 +73,8 @@ class RunMeasurements:
     marks the step skipped; past `max_bad_steps` such steps it raises `errors.non_finite_loss`, naming
     `newest_checkpoint()` (the last good one) so that nothing is saved over it.
 
-    The expected model-state bytes are the formula's (`formulas.memory.expected_model_state_bytes`) for this engine,
-    world size, precision, the trainable parameters in the optimizer's groups (`optim.param_groups`, the split
+    The expected model-state bytes are the formula's (`formulas.model_states.expected_model_state_bytes`) for this
+    engine, world size, precision, the trainable parameters in the optimizer's groups (`optim.param_groups`, the split
     `build_adamw` makes) and the frozen ones (LoRA's base).
 
     Model-state bytes are measured where they peak, until `MEASURED_STEPS` steps have updated (Adam's state exists
