@@ -57,7 +57,7 @@ def main() -> None:
                      "reference_state_bytes_expected": s.get("reference_state_bytes_expected",
                                                              s["fit_check"]["reference_bytes"]),  # LoRA-DPO: 0
                      "model_state_bytes": s["model_state_bytes"],
-                     "reference_model": "reference_state_bytes_expected" in s})  # LoRA-DPO builds none
+                     "reference_model": s.get("reference_state_bytes_expected") is not None})  # LoRA-DPO: none
     ddp = next((r for r in rows if r.get("engine") == "ddp"), None)
     flags = f"--recipe {args.recipe} --reference {args.reference} --configs {' '.join(args.configs)}"
     lines = [f"DPO reference per rank during training, {args.recipe} --reference {args.reference}, {args.world_size} "

@@ -62,8 +62,7 @@ from zero_utils.preference.loss import (
     pair_scores,
     resolve,
 )
-from zero_utils.preference.reference_logps import PrecomputedReference
-from zero_utils.preference.reference_model import ReferenceModel
+from zero_utils.preference.reference import build_reference
 from zero_utils.run.accelerator import build_accelerator, close_and_exit
 from zero_utils.train import tracking
 from zero_utils.train.measurement import RunMeasurements, checkpoint_bytes
@@ -172,17 +171,12 @@ def main(cfg: Settings) -> None:
     checkpointer.check(model_config, pairs.global_batch_pairs)  # an incompatible checkpoint fails here
 
     # ------------------------------------------------------------------------------ reference
-    def hold_reference():  # the starting weights again (a config-only model: the same seed), frozen, engine-sharded
-        set_seed(checkpointer.init_seed)  # the seed of the run's start, also on a resume with another --seed
-        return ReferenceModel.hold(
-            load_causal_lm(cfg.model, accelerator=accelerator, attn_implementation=cfg.attn_implementation or None,
-                           trust_remote_code=cfg.trust_remote_code, revision=cfg.revision), accelerator, engine,
-            cfg.loss_chunk_tokens)
-
-    reference = None
-    if reference_mode == "precomputed":  # one pass over every pair before the policy exists, then freed
-        reference = PrecomputedReference.prepare(accelerator, pairs, hold_reference, model=cfg.model,
-                                                 revision=cfg.revision, attn_implementation=cfg.attn_implementation)
+    # model: a frozen copy held like the policy (built at start); precomputed: every pair's log-probs computed here by
+    # that copy, before the policy exists, then freed; none: nothing (zero_utils/preference/reference.py)
+    reference = build_reference(reference_mode, accelerator, engine, pairs, model=cfg.model,
+                                seed=checkpointer.init_seed, loss_chunk_tokens=cfg.loss_chunk_tokens,
+                                revision=cfg.revision, attn_implementation=cfg.attn_implementation,
+                                trust_remote_code=cfg.trust_remote_code)
 
     # ------------------------------------------------------------------------------ policy, parallelize, prepare
     set_seed(checkpointer.init_seed)  # the policy and the reference (a config-only model) draw the same weights
@@ -199,9 +193,7 @@ def main(cfg: Settings) -> None:
     after_prepare(model, accelerator, engine, cfg.model, cfg.revision)  # [DeepSpeed] fp32 master from the weights
     token_losses = TokenLosses(model, cfg.loss_chunk_tokens, pairs.ignore_index, accelerator)  # chunked head
 
-    if reference_mode == "model":
-        reference = hold_reference()  # sharded like the policy under ZeRO-3/FSDP2, a replica otherwise
-    reference_digest = reference.check_equals(model) if reference else None  # before any update (and on resume)
+    reference.start(model, token_losses)  # checks the policy starts from the reference's weights (also on a resume)
 
     run_config = {**asdict(cfg), "engine": engine.name, "world_size": world, "num_params": num_params, "beta": beta,
                   "optimizer_param_groups": param_groups, "mixed_precision": accelerator.mixed_precision,
@@ -217,14 +209,14 @@ def main(cfg: Settings) -> None:
     accelerator.print(f"engine {engine} | {world} process(es) | {num_params / 1e6:.2f}M params | --loss {cfg.loss}, "
                       f"beta {beta:g} | --reference {reference_mode} | mixed precision: {accelerator.mixed_precision}"
                       + (f" | resumed at step {start_step}" if start_step else ""))
-    accelerator.print(pairs.describe() + (f"\n{reference.describe()}" if reference else ""))  # what it costs
+    accelerator.print("\n".join(filter(None, [pairs.describe(), reference.describe()])))  # what it costs
 
     def scores_of(micro):  # the pairs' losses and rewards: chosen rows first, then the rejected ones
         average = averages_log_probs(cfg.loss)
-        policy_losses = token_losses(model, micro)  # -log p of each answer token, (2 x pairs, seq_len)
         answers = micro.labels != pairs.ignore_index
+        ref = reference.pair_log_probs(micro, answers, average)  # (None, None) without one
+        policy_losses = token_losses(model, micro)  # -log p of each answer token, (2 x pairs, seq_len)
         policy = answer_log_probs(-policy_losses, answers, average).chunk(2)
-        ref = reference.answer_log_probs(micro, answers, average).chunk(2) if reference else (None, None)
         scores = pair_scores(cfg.loss, beta, *policy, *ref, simpo_gamma=cfg.simpo_gamma)
         chosen_nll = (policy_losses * answers)[: len(policy[0])].sum()  # for --sft_weight
         return scores, chosen_nll
@@ -286,11 +278,7 @@ def main(cfg: Settings) -> None:
             "steps": cfg.max_steps, "loss_type": cfg.loss, "beta": beta, "final_loss": last.loss if last else None,
             **(last.means if last else {}), **{f"eval_{k}": v for k, v in (eval_metrics or {}).items()},
             "eval_loss": (eval_metrics or {}).get("loss"), "perplexity": None, **meter.summary(), **fit.summary(),
-            "reference": reference_mode, "reference_logps": reference.summary() if reference_mode == "precomputed"
-            else None, "reference_state_bytes": reference.measured_state_bytes(accelerator) if reference else None,
-            "reference_state_bytes_expected": reference.expected_state_bytes() if reference else None,
-            "reference_digest_start": reference_digest, "reference_digest_end": reference.digest() if reference
-            else None, "num_params": num_params, "global_batch_pairs": pairs.global_batch_pairs,
+            **reference.summary(), "num_params": num_params, "global_batch_pairs": pairs.global_batch_pairs,
             "seq_len": cfg.seq_len, "data": pairs.info, "optimizer_param_groups": param_groups, "prompt": cfg.prompt,
             "answer": answer, "group": cfg.group or None, "checkpoint": str(final_checkpoint),
             "checkpoint_bytes": checkpoint_bytes(final_checkpoint),

@@ -15,7 +15,7 @@ Features, the flag that controls each, and its cost:
                 r-sized; the adapters are added before the engine shards the model, so every rank holds the same ones
     reference   --reference model (sigmoid, ipo) | none (simpo): the starting model, which is the base with the
                 adapters off (they start at B = 0): each micro-batch's no-grad forward through the policy itself
-                inside PEFT's disable_adapter (zero_utils.preference.reference_model.adapters_off), before the policy's
+                inside PEFT's disable_adapter (zero_utils.preference.reference.adapters_off), before the policy's
                 forward; one more forward per micro-batch [FSDP2, ZeRO-3: its all-gathers too], no memory held between
                 steps
     export      final/ = the PEFT adapter (PeftModel.from_pretrained reloads it on the base --model); --merge also
@@ -64,7 +64,7 @@ from zero_utils.preference.loss import (
     pair_scores,
     resolve,
 )
-from zero_utils.preference.reference_model import adapters_off  # [LoRA] the reference: the policy with its adapters off
+from zero_utils.preference.reference import build_reference
 from zero_utils.run import distributed  # [LoRA] distributed: the adapter saved on the main process
 from zero_utils.run.accelerator import build_accelerator, close_and_exit
 from zero_utils.train import tracking
@@ -182,6 +182,14 @@ def main(cfg: Settings) -> None:
         gradient_accumulation_steps=cfg.gradient_accumulation_steps, num_proc=cfg.num_proc)
     checkpointer.check(model_config, pairs.global_batch_pairs)  # an incompatible checkpoint fails here
 
+    # ------------------------------------------------------------------------------ reference
+    # [LoRA] model: the base, the policy's forward with its adapters off (no second model); none: nothing
+    reference = build_reference(reference_mode, accelerator, engine, pairs, model=cfg.model,
+                                seed=checkpointer.init_seed, loss_chunk_tokens=cfg.loss_chunk_tokens,
+                                lora=True,  # [LoRA] model: the policy's own forward with its adapters off
+                                revision=cfg.revision, attn_implementation=cfg.attn_implementation,
+                                trust_remote_code=cfg.trust_remote_code)
+
     # ------------------------------------------------------------------------------ policy, parallelize, prepare
     set_seed(checkpointer.init_seed)  # [LoRA] a config-only base and the adapters: the same draw on every rank
     model = load_causal_lm(cfg.model, accelerator=accelerator, attn_implementation=cfg.attn_implementation or None,
@@ -198,6 +206,7 @@ def main(cfg: Settings) -> None:
     model, optimizer = accelerator.prepare(model, optimizer)
     after_prepare(model, accelerator, engine, None)  # [LoRA] no fp32-master restore: the adapters are new tensors
     token_losses = TokenLosses(model, cfg.loss_chunk_tokens, pairs.ignore_index, accelerator)  # chunked head
+    reference.start(model, token_losses)  # checks the policy starts from the reference's weights (also on a resume)
 
     run_config = {**asdict(cfg), "engine": engine.name, "world_size": world, "num_params": num_params, "beta": beta,
                   "optimizer_param_groups": param_groups, "mixed_precision": accelerator.mixed_precision,
@@ -213,16 +222,12 @@ def main(cfg: Settings) -> None:
     accelerator.print(f"engine {engine} | {world} process(es) | {num_params / 1e6:.2f}M params | --loss {cfg.loss}, "
                       f"beta {beta:g} | --reference {reference_mode} | mixed precision: {accelerator.mixed_precision}"
                       + (f" | resumed at step {start_step}" if start_step else ""))
-    held = "\nreference: the base, adapters off (no second model: 0 bytes), one more forward per micro-batch"  # [LoRA]
-    accelerator.print(pairs.describe() + (held if reference_mode == "model" else ""))  # [LoRA] what it costs
+    accelerator.print("\n".join(filter(None, [pairs.describe(), reference.describe()])))  # what it costs
 
     def scores_of(micro):  # the pairs' losses and rewards: chosen rows first, then the rejected ones
         average = averages_log_probs(cfg.loss)
-        answers = micro.labels != pairs.ignore_index  # [LoRA] moved up: the reference's forward comes first
-        ref = (None, None)  # [LoRA]
-        if reference_mode == "model":  # [LoRA] first: the policy's units kept gathered for backward stay so
-            with torch.no_grad(), adapters_off(model, accelerator):  # [LoRA]
-                ref = answer_log_probs(-token_losses(model, micro), answers, average).chunk(2)  # [LoRA]
+        answers = micro.labels != pairs.ignore_index
+        ref = reference.pair_log_probs(micro, answers, average)  # (None, None) without one
         policy_losses = token_losses(model, micro)  # -log p of each answer token, (2 x pairs, seq_len)
         policy = answer_log_probs(-policy_losses, answers, average).chunk(2)
         scores = pair_scores(cfg.loss, beta, *policy, *ref, simpo_gamma=cfg.simpo_gamma)
@@ -304,8 +309,7 @@ def main(cfg: Settings) -> None:
             "steps": cfg.max_steps, "loss_type": cfg.loss, "beta": beta, "final_loss": last.loss if last else None,
             **(last.means if last else {}), **{f"eval_{k}": v for k, v in (eval_metrics or {}).items()},
             "eval_loss": (eval_metrics or {}).get("loss"), "perplexity": None, **meter.summary(), **fit.summary(),
-            "reference": reference_mode, "reference_state_bytes": 0 if reference_mode == "model" else None,  # [LoRA]
-            "frozen_params": frozen_params,  # [LoRA]
+            **reference.summary(), "frozen_params": frozen_params,  # [LoRA]
             "num_params": num_params, "global_batch_pairs": pairs.global_batch_pairs,  # [LoRA]
             "seq_len": cfg.seq_len, "data": pairs.info, "optimizer_param_groups": param_groups, "prompt": cfg.prompt,
             "answer": answer, "group": cfg.group or None, "checkpoint": str(final_checkpoint),

@@ -319,9 +319,8 @@ def test_fast_tier_launches_each_engine_family_and_reaches_every_module():
     assert modules <= reached, f"no fast test reaches {sorted(modules - reached)}"
 
 
-# zero_utils modules each recipe may import: the full recipe's 11, the LoRA one 3 more, the DPO one 4 more, the
-# LoRA-DPO one 3 more than the DPO one.
-# 12: the bundled model's and data's paths come from zero_utils.assets (0.3), no longer from the modules that load them
+# zero_utils modules each recipe may import: the full recipe's 12 (the bundled paths from zero_utils.assets since 0.3),
+# the LoRA one 3 more, the DPO one 4 more, the LoRA-DPO one 3 more than the DPO one.
 MAX_ZERO_UTILS_IMPORTS = {"recipes/llama_zero3.py": 12, "recipes/llama_lora.py": 12 + 3, "recipes/llama_dpo.py": 12 + 4,
                           "recipes/llama_dpo_lora.py": 12 + 4 + 3}
 
@@ -332,7 +331,7 @@ def test_recipe_reads_as_components(recipe):
     (engine-specific steps live in zero_utils.model.parallelize); an incompatible checkpoint refused before the model is
     loaded; the fit check made before the data is prepared and the model built; the full recipe imports at most 12
     zero_utils modules (the LoRA one at most 3 more, on [LoRA] lines; the DPO one 4 more: its data, loss and
-    reference, held or precomputed; the LoRA-DPO one at most 3 more than the DPO one, on [LoRA] lines)."""
+    reference; the LoRA-DPO one at most 3 more than the DPO one, on [LoRA] lines)."""
     tree = ast.parse((REPO / recipe).read_text())
     main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
     loop = next(n for n in ast.walk(main) if isinstance(n, ast.For) and getattr(n.target, "id", "") == "step")
@@ -352,8 +351,7 @@ def test_recipe_reads_as_components(recipe):
     base = MARKED.get(recipe, "recipes/llama_zero3.py")
     extra = zero_utils_imports(REPO / recipe) - zero_utils_imports(REPO / base)
     if recipe.endswith("llama_dpo.py"):
-        assert extra == {"preference.data", "preference.loss", "preference.reference_model",
-                         "preference.reference_logps"}, extra
+        assert extra == {"preference.data", "preference.loss", "preference.reference"}, extra
         return
     marked = [line for line in (REPO / recipe).read_text().splitlines() if line.startswith("from zero_utils")
               and "[LoRA]" in line]

@@ -215,9 +215,11 @@ def test_precomputed_log_probs_reach_each_micro_batch_by_pair_and_average_as_the
 
     precomputed = PrecomputedReference("digest", torch.float32, Path("x"), 5, reused=True, seconds=0.0,
                                        pass_state_bytes=0, built=False)
-    assert precomputed.answer_log_probs(Micro, answers, average=True).tolist() == \
-        answer_log_probs(token_logps, answers, average=True).tolist() == [-2.0, -4.0]
-    assert precomputed.answer_log_probs(Micro, answers, average=False).tolist() == [-4.0, -12.0]
+    chosen, rejected = precomputed.pair_log_probs(Micro, answers, average=True)
+    assert [*chosen.tolist(), *rejected.tolist()] == answer_log_probs(token_logps, answers, average=True).tolist() \
+        == [-2.0, -4.0]
+    chosen, rejected = precomputed.pair_log_probs(Micro, answers, average=False)
+    assert [*chosen.tolist(), *rejected.tolist()] == [-4.0, -12.0]
 
 
 def test_a_set_without_pair_columns_names_the_ones_it_has():
@@ -280,6 +282,15 @@ FOUR_STEPS = ("--max_steps", "4", "--warmup_steps", "2", "--eval_fraction", "0",
               "--report_to", "none", "--save_every", "2")
 ENGINES_FP32 = ["ddp", "zero1", "zero2", "zero3", "fsdp2"]
 PROBED = {"fsdp2", "fsdp2_zero2"}  # the reference's gathered parameters recorded (tests/scripts/harness.py)
+FROZEN_PROBED = {"fsdp2", "zero3"}  # another model held as a FrozenModel beside the policy (tests/scripts/harness.py)
+
+
+def smaller_llama(root) -> str:
+    """A tiny Llama smaller than the bundled one (hidden 32, 2 layers) with the bundled tokenizer, config only."""
+    from conftest import llama_from_config
+
+    return llama_from_config(root / "llama-smaller", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 
 
 @pytest.fixture(scope="module")
@@ -287,12 +298,15 @@ def dpo_run(runs, session_root):
     """`dpo_run(config, mixed_precision="no", world=2, batch=4, accumulation=1)`: 4 DPO steps (sigmoid) on the
     bundled model and pairs, a global batch of 8 pairs; config None = one process without an accelerate config.
     Probes (tests/scripts/harness.py): the live tensor bytes at the end of step 1; the host syncs of step 3; the
-    reference's gathered parameters and weak references under FSDP2 and ZeRO-3."""
+    reference's gathered parameters and weak references under FSDP2 and ZeRO-3; there, a smaller model held as a
+    FrozenModel beside the policy, then released."""
     from conftest import CPU_BF16, isolated_env, sync_probe
 
     def get(config, mixed_precision="no", world=2, batch=4, accumulation=1):
         env = {**isolated_env(session_root), **CPU_BF16, "ZERO_RECIPES_HARNESS_LIVE_TENSORS": "1", **sync_probe(3),
-               **({"ZERO_RECIPES_HARNESS_REFERENCE_PROBE": "1"} if config in PROBED | {"zero3"} else {})}
+               **({"ZERO_RECIPES_HARNESS_REFERENCE_PROBE": "1"} if config in PROBED | {"zero3"} else {}),
+               **({"ZERO_RECIPES_HARNESS_FROZEN_PROBE": smaller_llama(session_root)} if config in FROZEN_PROBED
+                  else {})}
         name = f"dpo-{config or 'single'}-{mixed_precision}-{world}x{batch}x{accumulation}"
         return runs(name, *FOUR_STEPS, "--per_device_batch_size", str(batch), "--gradient_accumulation_steps",
                     str(accumulation), recipe=DPO, config=config, num_processes=world,
@@ -307,6 +321,85 @@ TODAY_ARGS = ("--max_steps", "4", "--warmup_steps", "2", "--eval_fraction", "0.0
 TODAY = {"loss": [0.6931471824645996, 0.6655547320842743, 0.6509440541267395, 0.6582489013671875],
          "eval_loss": [0.6468142867088318, 0.641472339630127],
          "eval_reward_accuracy": [0.6600000262260437, 0.6299999952316284]}
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("config", sorted(FROZEN_PROBED))
+def test_a_frozen_model_of_another_size_is_held_as_the_engine_holds_the_policy(dpo_run, session_root, config):
+    """zero_utils.train.frozen_model.FrozenModel holding a smaller tiny Llama (the policy's tokenizer) beside the
+    DPO policy, fp32, 2 ranks (dpo_run's FSDP2 and ZeRO-3 runs, tests/scripts/harness.py): its parameters are the
+    ones transformers builds from its config, and each rank holds 4 bytes x parameters / 2, its formula, to 1%
+    (padding of the shards), where the policy has five times as many parameters or more."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    params = sum(p.numel() for p in AutoModelForCausalLM.from_config(
+        AutoConfig.from_pretrained(smaller_llama(session_root))).parameters())
+    run = dpo_run(config)
+    probes = run.summary()["frozen_probe_per_rank"]
+    assert len(probes) == 2 and params < run.summary()["num_params"] / 5
+    for probe in probes:
+        assert probe["num_params"] == params
+        assert probe["state_bytes"] == pytest.approx(4 * params / 2, rel=0.01)
+        assert probe["formula_bytes"] == probe["expected_state_bytes"] == -(-4 * params // 2)
+        assert probe["measured_state_bytes"] == max(p["state_bytes"] for p in probes)
+
+
+def test_every_reference_mode_answers_the_same_calls_and_none_is_the_null_case():
+    """zero_utils.preference.reference.build_reference, in process, for the modes that build nothing before the
+    policy: `none` (SimPO) gives (None, None) log-probs, no line and a summary of Nones; a LoRA policy's `model` is
+    its adapters off: 0 bytes, no second model, the summary's mode still `model`."""
+    from types import SimpleNamespace
+
+    from zero_utils.preference.reference import AdaptersOffReference, NoReference, build_reference
+
+    one = SimpleNamespace(num_processes=1)
+    none = build_reference("none", one, None, None, model="m", seed=0, loss_chunk_tokens=40)
+    assert type(none) is NoReference and none.pair_log_probs(None, None, False) == (None, None)
+    none.start(None, None)
+    assert none.describe() == "" and set(none.summary().values()) == {"none", None}
+    lora = build_reference("model", one, None, None, model="m", seed=0, loss_chunk_tokens=40, lora=True)
+    assert type(lora) is AdaptersOffReference and "adapters off (no second model: 0 bytes)" in lora.describe()
+    assert lora.summary() == {**none.summary(), "reference": "model", "reference_state_bytes": 0}
+    assert set(lora.summary()) == set(none.summary()) == {
+        "reference", "reference_logps", "reference_state_bytes", "reference_state_bytes_expected",
+        "reference_digest_start", "reference_digest_end"}
+
+
+def test_a_frozen_model_with_another_vocabulary_is_one_sentence():
+    from transformers import LlamaConfig
+
+    from zero_utils.run.errors import UserError
+    from zero_utils.train.frozen_model import check_same_vocabulary
+
+    with pytest.raises(UserError, match=r"^--teacher 'big-llama' has a vocabulary of 128256 tokens and the policy "
+                                        r"--model 'tiny' one of 872; a frozen model must share the policy's "
+                                        r"tokenizer: pick one of the same model family\.$"):
+        check_same_vocabulary(LlamaConfig(vocab_size=128256), LlamaConfig(vocab_size=872), flag="--teacher",
+                              name="big-llama", policy_name="tiny")
+    check_same_vocabulary(LlamaConfig(vocab_size=872), LlamaConfig(vocab_size=872), flag="--teacher", name="a",
+                          policy_name="b")  # the same vocabulary: nothing
+
+
+# Per-step losses of every reference mode, recorded with the code before the reference became one object (6aee865,
+# issue 69): DDP, 2 processes, fp32, FOUR_STEPS, a micro-batch of 4 pairs (`--reference model`: TODAY above;
+# LoRA-DPO's adapters off: tests/test_dpo_lora.py). The runs after it must train exactly these.
+PINNED = {"precomputed": [0.6931471228599548, 0.6452320218086243, 0.6193743646144867, 0.5804722905158997],
+          "none": [1.280958890914917, 1.2685195803642273, 1.0922970175743103, 1.2297831177711487]}
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_simpo_without_a_reference_trains_the_pinned_losses(runs):
+    """`--loss simpo` (no reference: the null case), DDP on 2 ranks, fp32: the losses recorded before the reference
+    became one object, exactly; no reference bytes, digests or log-probs in the summary."""
+    run = runs("dpo-simpo-ddp", *FOUR_STEPS, "--loss", "simpo", "--per_device_batch_size", "4", recipe=DPO,
+               config="ddp", mixed_precision="no").check()
+    assert [m["loss"] for m in run.metrics()] == PINNED["none"]
+    summary = run.summary()
+    assert summary["reference"] == "none" and summary["reference_state_bytes"] is None
+    assert summary["reference_digest_start"] is None and summary["reference_logps"] is None
+    assert "reference:" not in run.output
 
 
 @pytest.fixture(scope="module")
@@ -479,6 +572,8 @@ def test_a_precomputed_reference_trains_as_the_held_one(dpo_run, precomputed_run
     from test_zero_math import LOSS_RTOL, WEIGHT_ATOL
 
     held, precomputed = dpo_run(config), precomputed_run(config)
+    if config == "ddp":  # as before the reference became one object (issue 69)
+        assert [m["loss"] for m in precomputed.metrics()] == PINNED["precomputed"]
     for key in ("loss", "logps_chosen", "logps_rejected"):
         assert [m[key] for m in precomputed.metrics()] == pytest.approx([m[key] for m in held.metrics()],
                                                                       rel=LOSS_RTOL, abs=1e-6), key

@@ -97,6 +97,11 @@ def test_step_one_is_ln2_with_one_model_and_the_ranks_hold_the_same_adapters(dpo
     assert abs(summary["eval_reward_margin"]) > 1e-3  # trained: the adapters are no longer zero
 
 
+# FSDP2's per-step losses with the adapters-off reference, recorded with the code before the reference became one
+# object (6aee865, issue 69): dpo_lora_run("fsdp2", 4, 1, "--merge").
+PINNED_ADAPTERS_OFF = [0.6931471824645996, 0.661810576915741, 0.6664004027843475, 0.6603114902973175]
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("other", ["accumulation", "zero3", "ddp"])
@@ -108,6 +113,7 @@ def test_engines_and_accumulation_train_as_fsdp2_does(dpo_lora_run, other):
 
     reference = dpo_lora_run("fsdp2", 4, 1, "--merge")
     run = dpo_lora_run("fsdp2", 2, 2) if other == "accumulation" else dpo_lora_run(other)
+    assert [m["loss"] for m in reference.metrics()] == PINNED_ADAPTERS_OFF  # as before issue 69's reference object
     for key in ("loss", "reward_margin", "logps_chosen"):
         assert [m[key] for m in run.metrics()] == pytest.approx([m[key] for m in reference.metrics()],
                                                                rel=LOSS_RTOL, abs=1e-6), key

@@ -269,6 +269,16 @@ def test_the_reference_model_adds_its_formula_and_the_dpo_fit_check_counts_it(ca
 
     with pytest.raises(UserError, match="this run needs an estimated"):
         check_bundled(device_memory=between, reference="model")
+    # a frozen model other than the policy (zero_utils.train.frozen_model: a teacher) counts with its own parameters:
+    # a Llama of hidden 128 and 4 layers, built by transformers in process to count them
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    teacher = LlamaConfig(vocab_size=872, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                          num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False)
+    teacher_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(teacher).parameters())
+    with_teacher, printed = check_bundled(device_memory="1TB", reference="model", frozen_config=teacher)
+    assert with_teacher.verdict.total_bytes == plain.verdict.total_bytes + 4 * teacher_params  # fp32, one process
+    assert teacher_params != with_reference.setup.num_params
 
 
 def test_a_lora_policy_as_its_own_reference_adds_nothing_and_needs_its_adapters(capsys):

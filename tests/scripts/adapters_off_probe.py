@@ -1,6 +1,6 @@
 """One process, gloo, FSDP2 as recipes/llama_dpo_lora.py shards a LoRA policy (every block its own unit, the last
 kept gathered after forward, then the root): two steps of the reference's no-grad forward inside
-`zero_utils.preference.reference_model.adapters_off`, then the policy's forward and backward. Prints JSON: the logits
+`zero_utils.preference.reference.adapters_off`, then the policy's forward and backward. Prints JSON: the logits
 inside the context against the base model's (adapters nonzero, so they differ from the policy's), and how many of the
 trainable parameters (the shards the optimizer holds) still require grad after each step. tests/test_dpo_lora.py."""
 
@@ -14,7 +14,7 @@ from torch.distributed.fsdp import fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from zero_utils.assets import BUNDLED_MODEL
-from zero_utils.preference.reference_model import adapters_off
+from zero_utils.preference.reference import adapters_off
 
 
 class Unwrapped:  # accelerate's unwrap_model: an FSDP2 model is its own module

@@ -34,6 +34,10 @@ Switched on by the environment:
                                          in tokens, and the output head group's FSDP2 all-gathers (loss_probe.py)
     ZERO_RECIPES_HARNESS_ACCUMULATION_PROBE=1  + "accumulation_probe_per_rank": what each rank holds after every
                                          micro-batch of the first two steps (accumulation_probe.py)
+    ZERO_RECIPES_HARNESS_FROZEN_PROBE=DIR  + "frozen_probe_per_rank": the model folder DIR (another model than the
+                                         policy, its vocabulary) held by zero_utils.train.frozen_model.FrozenModel
+                                         once the policy is prepared, then released: its parameters, the bytes this
+                                         rank held and the ones the formula gives (the RNG states kept as they were)
     ZERO_RECIPES_HARNESS_REFERENCE_PROBE=1  + "reference_probe_per_rank" (recipes/llama_dpo.py): the most reference
                                          parameters held gathered (not DTensor shards) at any module's forward,
                                          the reference's parameter count, and "alive_after_step_1" / "tensors":
@@ -221,6 +225,8 @@ def _attach_probes() -> None:
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             _seen["meter"] = self
+            if os.environ.get("ZERO_RECIPES_HARNESS_FROZEN_PROBE"):
+                _seen["frozen_probe"] = _frozen_probe(os.environ["ZERO_RECIPES_HARNESS_FROZEN_PROBE"], *args[:3])
 
         def start_step(self):
             _seen["offload_step"] = _seen.get("offload_step", 0) + 1
@@ -279,9 +285,9 @@ def _attach_probes() -> None:
 
         activation_offload.ActivationOffload = RecordedOffload
     if os.environ.get("ZERO_RECIPES_HARNESS_REFERENCE_PROBE") == "1":
-        from zero_utils.preference import reference_model
+        from zero_utils.train import frozen_model
 
-        hold = reference_model.ReferenceModel.hold.__func__
+        hold = frozen_model.FrozenModel.hold.__func__
 
         def probed_hold(cls, *args, **kwargs):  # the reference as the recipe holds it, hooked before any forward
             reference = hold(cls, *args, **kwargs)
@@ -292,7 +298,7 @@ def _attach_probes() -> None:
             _seen["reference_probe"]["tensors"] = len(tensors)
             return reference
 
-        reference_model.ReferenceModel.hold = classmethod(probed_hold)
+        frozen_model.FrozenModel.hold = classmethod(probed_hold)
     model.load_tokenizer = recorded_tokenizer
     model.load_causal_lm = counted_load_causal_lm
     data.TrainingData = RecordedData
@@ -345,6 +351,40 @@ def live_tensor_bytes() -> int:
     return sum(storages.values())
 
 
+def _frozen_probe(folder: str, accelerator, engine, policy) -> dict:
+    """Hold the model in `folder` as a FrozenModel next to the prepared policy, measure it, release it. The recipe's
+    RNG streams and the reference probe's records are left as they were."""
+    import gc
+    import random
+
+    import numpy as np
+    import torch
+
+    from zero_utils.formulas.model_states import reference_model_bytes
+    from zero_utils.train.frozen_model import FrozenModel
+
+    states = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    kept = {k: _seen[k] for k in ("reference_probe", "reference_weakrefs") if k in _seen}
+    frozen = FrozenModel.load(folder, accelerator, engine, loss_chunk_tokens=40, seed=1234,
+                              policy_config=accelerator.unwrap_model(policy).config, policy_name="the policy",
+                              flag="--teacher")
+    found = {"num_params": frozen.num_params(), "state_bytes": frozen.state_bytes(),
+             "measured_state_bytes": frozen.measured_state_bytes(accelerator),
+             "expected_state_bytes": frozen.expected_state_bytes(),
+             "formula_bytes": reference_model_bytes(engine, frozen.num_params(), accelerator.num_processes,
+                                                    accelerator.mixed_precision)[0]}
+    frozen.release()
+    del frozen
+    gc.collect()
+    for key in ("reference_probe", "reference_weakrefs"):
+        _seen.pop(key, None)
+    _seen.update(kept)
+    random.setstate(states[0])
+    np.random.set_state(states[1])
+    torch.set_rng_state(states[2])
+    return found
+
+
 def _gathered_params_probe(module) -> dict:
     """{"max_gathered_params": the most parameters of `module` registered whole (not as DTensor shards) at the
     start or end of any submodule's forward (FSDP2's own hooks run first at the start: its unit is gathered then),
@@ -387,6 +427,7 @@ def _evidence() -> dict:
         "causal_lms_built_per_rank": gather_object([_seen.get("causal_lms_built_by_step_1")]),
         "live_tensor_bytes_per_rank": gather_object([_seen.get("live_tensor_bytes")]),
         "reference_probe_per_rank": gather_object([_seen["reference_probe"]]) if "reference_probe" in _seen else None,
+        "frozen_probe_per_rank": gather_object([_seen["frozen_probe"]]) if "frozen_probe" in _seen else None,
         "data_prep_rss_anon_bytes_per_rank": gather_object([_seen.get("data_prep_rss_anon")]),
         "loss_probe_per_rank": gather_object([loss_probe.result()])
         if os.environ.get("ZERO_RECIPES_HARNESS_LOSS_PROBE") == "1" else None,

@@ -233,7 +233,7 @@ REFERENCES = ("none", "model", "adapters", "precomputed")
 def reference_model_bytes(engine: Engine, num_params: int, world_size: int, mixed_precision: str | None = "no", *,
                           shard_group_size: int | None = None, held_as: str = "model") -> tuple[int, int]:
     """(GPU, CPU) bytes one rank holds of a preference loss's frozen reference model
-    (zero_utils.preference.reference_model). `held_as="model"` (recipes/llama_dpo.py): a frozen copy, its `num_params`
+    (zero_utils.train.frozen_model). `held_as="model"` (recipes/llama_dpo.py): a frozen copy, its `num_params`
     parameters in the compute dtype (2 bytes under bf16/fp16 mixed precision, else 4), no grads, no optimizer state;
     divided over the shard group where the engine shards parameters (ZeRO-3, FSDP2), whole otherwise; in CPU memory
     where the engine offloads parameters (zero3_offload, fsdp2*_offload). `held_as="adapters"`

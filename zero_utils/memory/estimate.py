@@ -135,6 +135,8 @@ class Setup:
     reference: str = "none"  # a preference loss's reference: "model" (a frozen copy: recipes/llama_dpo.py), "adapters"
     # (the LoRA policy with its adapters off: recipes/llama_dpo_lora.py, no bytes), "precomputed" (its log-probs
     # computed before training, the copy freed: no bytes during training), "none" (reference-free)
+    reference_params: int | None = None  # the frozen model's parameters when it is another model than the policy
+    # (zero_utils.train.frozen_model: a distillation teacher); None: a copy of the policy (num_params)
 
 
 @dataclass(frozen=True)
@@ -213,7 +215,8 @@ def estimate(setup: Setup, engines: tuple[Engine, ...] = ENGINES) -> list[Engine
                                attention=setup.attention, packed_rows=setup.packed_rows,
                                loss_chunk_tokens=setup.loss_chunk_tokens, trainable_fraction=setup.lora_fraction)
         reference = (0, 0) if setup.reference == "none" else reference_model_bytes(
-            engine, setup.num_params, world, setup.dtype, shard_group_size=group, held_as=setup.reference)
+            engine, setup.reference_params or setup.num_params, world, setup.dtype, shard_group_size=group,
+            held_as=setup.reference)
         on_host = offloaded_activation_bytes(setup.arch, seq_len=setup.seq_len, micro_batch_size=setup.micro_batch_size,
                                              dtype=setup.dtype) if setup.activation_offloading and setup.arch else 0
         results.append(EngineEstimate(engine, states, activations, transient, *reference, peak_terms=terms,

@@ -153,7 +153,7 @@ def check_fit(accelerator, engine: Engine, model_config, *, seq_len: int, micro_
               activation_checkpointing: bool, attn_implementation: str, loss_chunk_tokens: int,
               device_memory: str = "", enabled: bool = True, lora_config=None, trust_remote_code: bool = False,
               refuse: bool = True, reference: str = "none", packed_rows: bool = True,
-              activation_offloading: bool = False) -> FitCheck:
+              activation_offloading: bool = False, frozen_config=None) -> FitCheck:
     """Estimate this run's peak memory per rank before the model is built, print it term by term next to the
     capacity, and stop every rank with one sentence (`UserError`) when it does not fit (unless `refuse` is False:
     then a warning). Every rank must call it (one collective agrees on the smallest capacity). `enabled=False`
@@ -161,7 +161,9 @@ def check_fit(accelerator, engine: Engine, model_config, *, seq_len: int, micro_
     preference loss compares the policy with: "model", a frozen copy held too (recipes/llama_dpo.py); "adapters", the
     LoRA policy's own forward with its adapters off (recipes/llama_dpo_lora.py: 0 bytes); "precomputed", a copy
     freed before the policy is built (recipes/llama_dpo.py --reference precomputed: 0 bytes during training);
-    "none". `packed_rows`: the SFT recipes pack rows (under sdpa a block mask, zero_utils.formulas.peak_terms); the DPO
+    "none". `frozen_config`: with reference "model", the config of a frozen model other than the policy (a
+    distillation teacher, zero_utils.train.frozen_model), counted with its own parameters. `packed_rows`: the SFT
+    recipes pack rows (under sdpa a block mask, zero_utils.formulas.peak_terms); the DPO
     recipes pad their pairs (False). `activation_offloading` (--activation_offloading, which needs
     `activation_checkpointing`): the blocks' inputs counted in host memory. Engines: all.
     Returns a `FitCheck` whose `summary()` goes into summary.json next to the measured peak."""
@@ -174,6 +176,8 @@ def check_fit(accelerator, engine: Engine, model_config, *, seq_len: int, micro_
         base = meta_model(model_config, trust_remote_code)
         arch = architecture_from_config(model_config, base)
         fraction = lora_fraction(base, lora_config) if lora_config is not None else 1.0  # adds the adapters: after
+        frozen_params = (architecture_from_config(frozen_config, meta_model(frozen_config, trust_remote_code))
+                         .num_params if frozen_config is not None else None)
     world = accelerator.num_processes
     local = local_world_size(accelerator)
     setup = Setup(num_params=arch.num_params, num_gpus=local, num_nodes=max(1, world // local), hsdp=engine.hsdp,
@@ -181,7 +185,7 @@ def check_fit(accelerator, engine: Engine, model_config, *, seq_len: int, micro_
                   arch=arch, seq_len=seq_len, micro_batch_size=micro_batch_size,
                   activation_checkpointing=activation_checkpointing, activation_offloading=activation_offloading,
                   attention=_attention_kind(attn_implementation), packed_rows=packed_rows,
-                  loss_chunk_tokens=loss_chunk_tokens, reference=reference)
+                  loss_chunk_tokens=loss_chunk_tokens, reference=reference, reference_params=frozen_params)
     accelerator.wait_for_everyone()  # [CUDA] NCCL makes its buffers at the first collective: read free memory after
     capacity, source = device_capacity(accelerator.device, local, device_memory)
     capacity = min(per_rank(accelerator, {"capacity": capacity})["capacity"])  # one verdict on every rank

@@ -1,3 +1,4 @@
 """Preference training (DPO, IPO, SimPO): one pair as tokens (examples), pairs prepared once per job (prepared_pairs), a
-run's pairs (data: `PreferenceData`), the losses (loss), the frozen reference model held as the engine holds the policy
-(reference_model) and the reference's log-probabilities precomputed before training (reference_logps)."""
+run's pairs (data: `PreferenceData`), the losses (loss), the reference in every mode, one object whatever the mode
+(reference: a frozen copy held as the engine holds the policy, a LoRA policy's adapters off, or none) and the
+reference's log-probabilities precomputed before training (reference_logps)."""

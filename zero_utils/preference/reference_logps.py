@@ -2,7 +2,7 @@
 model's log-probabilities of every train and eval pair computed in one pass before training, kept with the prepared
 pairs, and the reference freed before the policy is built, so training holds the policy alone.
 
-The pass: the reference held as zero_utils.preference.reference_model holds it (sharded under FSDP2 and ZeRO-3, a
+The pass: the reference held as zero_utils.train.frozen_model holds it (sharded under FSDP2 and ZeRO-3, a
 replica otherwise), its head and loss over chunks of tokens, no gradients; the pairs strided over the ranks in
 micro-batches of --per_device_batch_size (`PreferenceData.strided_batches`); each row's summed answer log-probability
 gathered to every rank. The file: `reference_logps-<key>.safetensors` in the pairs' folder
@@ -14,7 +14,7 @@ modification times; for a config-only model, the SHA-256 of its built weights), 
 implementation and LOGPS_VERSION. A relaunch or a resume with the same key reads the file and builds no reference at all
 (a config-only model is built to be digested, then freed).
 
-The file also stores the digest of the reference's weights in the compute dtype: `check_equals(policy)` checks the
+The file also stores the digest of the reference's weights in the compute dtype: `start(policy, ...)` checks the
 policy starts from them, as the held reference's check does. Averaged log-probs (ipo) are the stored sums divided by
 each row's answer tokens, as `loss.answer_log_probs` does. Engines: all.
 """
@@ -31,29 +31,35 @@ from pathlib import Path
 import torch
 
 from zero_utils.model.loading import weights_identity
-from zero_utils.preference.reference_model import ReferenceModel, compute_dtype
+from zero_utils.preference.loss import answer_log_probs
 from zero_utils.run.distributed import count_over_ranks, max_over_ranks
 from zero_utils.train.evidence import weights_digest
+from zero_utils.train.frozen_model import FrozenModel, compute_dtype
 
 LOGPS_VERSION = 1
 
 
 class PrecomputedReference:
     """The reference's answer log-probs of every pair, read from the micro-batches (`PairMicroBatch.reference_logps`,
-    attached to the pairs by `prepare`); the same methods the recipe calls on a held `ReferenceModel`. Engines: all."""
+    attached to the pairs by `prepare`); the calls of every reference mode (zero_utils.preference.reference). Engines:
+    all."""
+
+    mode = "precomputed"
 
     def __init__(self, digest: str, dtype: torch.dtype, path: Path, pairs: int, *, reused: bool, seconds: float,
-                 pass_state_bytes: int, built: bool):
+                 pass_state_bytes: int, built: bool, accelerator=None):
         self._digest, self.dtype, self.path, self.pairs, self.reused = digest, dtype, path, pairs, reused
         self.built = built  # whether a reference model was built (on reuse: only a config-only one, to digest it)
         self.seconds, self.pass_state_bytes = seconds, pass_state_bytes
+        self.start_digest, self.accelerator = None, accelerator
 
     @classmethod
     def prepare(cls, accelerator, pairs, build_reference, *, model: str, revision: str | None,
                 attn_implementation: str | None) -> PrecomputedReference:
         """Read the log-probs of `pairs` (a `PreferenceData`) for the reference `--model` names, or compute them in
-        one pass of `build_reference()` (-> a held `ReferenceModel`) and write them; attach them to `pairs`. The
-        reference is freed before this returns. Call it before the policy is built. Every rank must call it."""
+        one pass of `build_reference()` (-> a held `FrozenModel`, zero_utils.preference.reference's loader) and write
+        them; attach them to `pairs`. The reference is freed before this returns. Call it before the policy is built.
+        Every rank must call it."""
         dtype = compute_dtype(accelerator.mixed_precision)
         started, reference, identity = time.perf_counter(), None, weights_identity(model, revision)
         built = identity is None
@@ -82,20 +88,22 @@ class PrecomputedReference:
         gc.collect()  # the reference's module, engine and hooks form cycles: free them now, not at some later gc
         pairs.attach_reference_logps(train, evaluation)
         return cls(digest, dtype, path, len(train) + (len(evaluation) if evaluation is not None else 0), reused=reused,
-                   seconds=time.perf_counter() - started, pass_state_bytes=pass_state_bytes, built=built or not reused)
+                   seconds=time.perf_counter() - started, pass_state_bytes=pass_state_bytes, built=built or not reused,
+                   accelerator=accelerator)
 
-    def answer_log_probs(self, micro, answers: torch.Tensor, average: bool) -> torch.Tensor:
-        """Each row's answer log-probability under the reference (rows,): the stored sums, or with `average` their
-        mean over the row's answer tokens (`answers`: the rows' answer-token mask)."""
-        return micro.reference_logps / answers.sum(-1).clamp(min=1) if average else micro.reference_logps
-
-    def check_equals(self, policy) -> str:
-        """The reference's digest, after checking that the policy starts from the weights the log-probs were computed
-        with (call it before any update; every rank must call it: it gathers). A mismatch is a `RuntimeError`."""
+    def start(self, policy, token_losses) -> None:
+        """Check that the policy starts from the weights the log-probs were computed with (every rank must call it,
+        before any update: it gathers). A mismatch is a `RuntimeError`."""
         if weights_digest(policy, self.dtype) != self._digest:
             raise RuntimeError(f"the precomputed reference log-probs in {self.path} were computed from other weights "
                                "than the policy's starting weights")
-        return self._digest
+        self.start_digest = self._digest
+
+    def pair_log_probs(self, micro, answers: torch.Tensor, average: bool):
+        """The chosen and rejected rows' answer log-probabilities: the stored sums, or with `average` their mean over
+        each row's answer tokens (`answers`: the rows' answer-token mask), as `loss.answer_log_probs`."""
+        logps = micro.reference_logps / answers.sum(-1).clamp(min=1) if average else micro.reference_logps
+        return logps.chunk(2)
 
     def digest(self) -> str:
         return self._digest
@@ -108,11 +116,21 @@ class PrecomputedReference:
         """The log-probs' bytes this rank holds, the maximum over ranks (every rank must call it)."""
         return max_over_ranks(accelerator, {"bytes": 8 * self.pairs})["bytes"]
 
-    def summary(self) -> dict:
-        """For summary.json: where the log-probs are, whether they were reused, the pass's seconds and the bytes per
-        rank the reference held during it (0 when reused)."""
+    def logps_summary(self) -> dict:
+        """Where the log-probs are, whether they were reused, the pass's seconds and the bytes per rank the reference
+        held during it (0 when reused)."""
         return {"path": str(self.path), "pairs": self.pairs, "reused": self.reused, "seconds": self.seconds,
                 "pass_state_bytes": self.pass_state_bytes, "reference_built": self.built}
+
+    def summary(self) -> dict:
+        """summary.json's reference keys (every rank must call it)."""
+        return {"reference": self.mode, "reference_logps": self.logps_summary(),
+                "reference_state_bytes": self.measured_state_bytes(self.accelerator),
+                "reference_state_bytes_expected": self.expected_state_bytes(),
+                "reference_digest_start": self.start_digest, "reference_digest_end": self._digest}
+
+    def release(self) -> None:
+        pass
 
     def describe(self) -> str:
         """One line for the start of a run: which reference, and what it cost."""
@@ -126,14 +144,15 @@ class PrecomputedReference:
                 f"0 bytes during training), kept in {self.path}")
 
 
-def _log_probs(reference: ReferenceModel, pairs, split: str, accelerator) -> torch.Tensor:
+def _log_probs(reference: FrozenModel, pairs, split: str, accelerator) -> torch.Tensor:
     """(pairs of `split`, 2) float32 on CPU, on every rank: each pair's summed answer log-probs under `reference`,
     chosen then rejected. Each rank scores pairs rank, rank + N, ...; one all-gather puts them together."""
     total = len(pairs.train if split == "train" else pairs.evaluation)
     world, per_rank = accelerator.num_processes, -(-total // accelerator.num_processes)
     mine, filled = torch.full((per_rank, 2), float("nan"), device=accelerator.device), 0
     for micro, indices in pairs.strided_batches(split):
-        sums = reference.answer_log_probs(micro, micro.labels != pairs.ignore_index, average=False).float()
+        sums = answer_log_probs(reference.token_log_probs(micro), micro.labels != pairs.ignore_index,
+                                average=False).float()
         scored = torch.stack(sums.chunk(2), dim=1)[[k for k, i in enumerate(indices) if i is not None]]
         mine[filled:filled + len(scored)] = scored
         filled += len(scored)
