@@ -70,7 +70,6 @@ PINNED = {"sft": ("9af5e41134c7869a", "346b3df988652f87"),
 
 
 def prepare_case(case: str, tmp_path, tokenizer):
-    from zero_utils.data.mixture import mixture_in_file
     from zero_utils.data.prepared_mixture import prepare_mixture_rows
     from zero_utils.data.prepared_rows import prepare_rows
     from zero_utils.preference.prepared_pairs import prepare_pairs
