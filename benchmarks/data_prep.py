@@ -38,13 +38,31 @@ import datasets  # imported before the probe under both checkouts
 tokenizer = AutoTokenizer.from_pretrained(os.path.join(tree, "zero_utils", "assets", "tiny-llama"))
 one_process = SimpleNamespace(is_main_process=True, num_processes=1)
 tokenizing = None  # seconds in the tokenizer, timed at --num_proc 1 (all of it in this process)
-info = None  # prepare_rows' summary (checkouts that have it)
+info = None  # the preparation's summary (checkouts that have it)
+
+
+def timed(work):  # `work`, its seconds added to `tokenizing`
+    def run(*args):
+        begin = time.perf_counter()
+        done = work(*args)
+        tokenizing[0] += time.perf_counter() - begin
+        return done
+    return run
+
+
 start = time.perf_counter()
 with _RssAnonPeak() as probe:
     flat = os.path.exists(os.path.join(tree, "zero_utils", "data.py"))  # 0.1: the modules in one folder
     if flat and not os.path.exists(os.path.join(tree, "zero_utils", "prepared_rows.py")):  # before streamed preparation
         from zero_utils import data
         data.build_sft_datasets(one_process, tokenizer, corpus, 256, 0.01, 0, vocab_size=len(tokenizer))
+    elif os.path.exists(os.path.join(tree, "zero_utils", "data", "preparation.py")):  # one pipeline (0.4 on)
+        from zero_utils.data.preparation import prepare
+        from zero_utils.data.sft_rows import SFTRows
+        if num_proc == 1:  # time the tokenizing share
+            tokenizing, SFTRows.make = [0.0], timed(SFTRows.make)
+        *_, info = prepare(one_process, tokenizer, corpus, SFTRows(256, tokenizer.pad_token_id or 0),
+                           eval_fraction=0.01, seed=0, num_proc=num_proc)
     else:
         if os.path.exists(os.path.join(tree, "zero_utils", "data", "prepared_rows.py")):  # folders by concern (0.2 on)
             from zero_utils.data import prepared_rows
@@ -52,15 +70,7 @@ with _RssAnonPeak() as probe:
             from zero_utils import prepared_rows
         workers = {"num_proc": num_proc} if hasattr(prepared_rows, "default_num_proc") else {}
         if num_proc == 1 and hasattr(prepared_rows, "_tokenize_chunk"):  # time the tokenizing share
-            tokenize_chunk, tokenizing = prepared_rows._tokenize_chunk, [0.0]
-
-            def timed_tokenize_chunk(*args):
-                begin = time.perf_counter()
-                tokens = tokenize_chunk(*args)
-                tokenizing[0] += time.perf_counter() - begin
-                return tokens
-
-            prepared_rows._tokenize_chunk = timed_tokenize_chunk
+            tokenizing, prepared_rows._tokenize_chunk = [0.0], timed(prepared_rows._tokenize_chunk)
         *_, info = prepared_rows.prepare_rows(one_process, tokenizer, corpus, seq_len=256, eval_fraction=0.01,
                                               seed=0, column_map=None, pad_token_id=tokenizer.pad_token_id or 0,
                                               **workers)
@@ -79,13 +89,17 @@ sys.path.insert(0, tree)
 sys.path.insert(0, os.path.join(sys.argv[2], "tests", "scripts"))
 import pyarrow
 from harness import rss_anon_bytes
-if os.path.exists(os.path.join(tree, "zero_utils", "data", "prepared_rows.py")):  # folders by concern (0.2 on)
+if os.path.exists(os.path.join(tree, "zero_utils", "data", "sft_rows.py")):  # one pipeline (0.4 on)
+    from zero_utils.data.sft_rows import open_rows
+elif os.path.exists(os.path.join(tree, "zero_utils", "data", "prepared_rows.py")):  # folders by concern (0.2 on)
     from zero_utils.data import prepared_rows
+    open_rows = prepared_rows.open_rows
 else:  # 0.1: the modules in one folder
     from zero_utils import prepared_rows
+    open_rows = prepared_rows.open_rows
 import datasets  # imported before measuring, as the recipe has
 before = rss_anon_bytes()
-rows = prepared_rows.open_rows(Path(folder))
+rows = open_rows(Path(folder))
 opened = rss_anon_bytes() - before
 with pyarrow.memory_map(os.path.join(folder, "train.arrow")) as source:
     batches = sum(1 for _ in pyarrow.ipc.open_stream(source))

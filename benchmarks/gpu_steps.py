@@ -19,7 +19,7 @@ chunked_head       the recipe's loss (`token_loss.TokenLosses`) at Llama-3's voc
                    tokens at a time) and the whole logits: peak memory, milliseconds, the mean loss and the largest
                    token-loss difference between them.
 tokenizer_workers  after an NCCL collective (gloo on CPU) in this process, the bundled 4,000 examples tokenized
-                   by 1 process and by forked worker processes (`prepared_rows._token_stream`, what --num_proc
+                   by 1 process and by forked worker processes (`preparation.made`, what --num_proc
                    does): that the workers finish, give the same tokens, and examples/s of each.
 
 Each step writes one JSON object to --output. --smoke: CPU, tiny shapes (checks the logic, measures nothing).
@@ -314,11 +314,11 @@ def _free_port() -> int:
 def tokenizer_workers(smoke: bool) -> dict:
     import torch
     import torch.distributed as dist
-    from datasets import load_dataset
     from transformers import AutoTokenizer
 
-    from zero_utils.data import prepared_rows
-    from zero_utils.data.sft_examples import detect_layout
+    from zero_utils.data.preparation import made
+    from zero_utils.data.sft_rows import SFTRows
+    from zero_utils.data.source_stream import SourceStream
 
     device = _device(smoke)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
@@ -327,15 +327,18 @@ def tokenizer_workers(smoke: bool) -> dict:
     total = torch.ones(1, device=device)
     dist.all_reduce(total)  # NCCL's communicator and its threads exist from here on, as in a recipe
     _sync(device)
-    examples = load_dataset("json", data_files=str(REPO / "zero_utils/assets/sft_tiny.jsonl"), split="train")
+    stream = SourceStream.open(str(REPO / "zero_utils/assets/sft_tiny.jsonl"), {}, eval_fraction=0.0, seed=0)
+    examples = stream.sources[0].data
     tokenizer = AutoTokenizer.from_pretrained(REPO / "zero_utils/assets/tiny-llama")
-    layout = detect_layout(examples.column_names)
+    maker = SFTRows(256, 0)
+    layouts = [maker.layout(examples.column_names, None, {})]
     workers = 2 if smoke else 4
     report = {"backend": dist.get_backend(), "examples": len(examples), "collective_result": float(total)}
     tokens = {}
     for num_proc in (1, workers):
         t0 = time.perf_counter()
-        tokens[num_proc] = list(prepared_rows._token_stream(examples, tokenizer, layout, None, num_proc))
+        tokens[num_proc] = [(ids.tolist(), labels.tolist()) for (ids, labels), _ in
+                            made(stream, stream.parts()["train"], maker, tokenizer, layouts, num_proc)]
         elapsed = time.perf_counter() - t0
         report[f"num_proc_{num_proc}"] = {"examples_per_s": len(examples) / elapsed, "s": elapsed,
                                           "tokens": sum(len(ids) for ids, _ in tokens[num_proc])}

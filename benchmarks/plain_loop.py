@@ -21,8 +21,10 @@ import workload  # benchmarks/workload.py: flags, loss and timing shared with tr
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from zero_utils.assets import BUNDLED_DATASET
-from zero_utils.data import prepared_rows, sft_examples
+from zero_utils.data import sft_examples
 from zero_utils.data import training as data
+from zero_utils.data.preparation import prepare
+from zero_utils.data.sft_rows import SFTRows
 from zero_utils.model.loading import load_tokenizer
 from zero_utils.train.optim import build_adamw
 
@@ -30,11 +32,11 @@ args = workload.parser(__doc__).parse_args()
 
 torch.manual_seed(args.seed)
 tokenizer = load_tokenizer(args.model)
-# zero_utils.data.prepared_rows asks its "accelerator" only which process runs first: one process, so this one.
+# zero_utils.data.preparation asks its "accelerator" only which process runs first: one process, so this one.
 one_process = SimpleNamespace(is_main_process=True, num_processes=1)
-rows, _, _ = prepared_rows.prepare_rows(one_process, tokenizer, BUNDLED_DATASET, seq_len=args.seq_len,
-                                        eval_fraction=0.0, seed=args.seed, column_map=None,
-                                        pad_token_id=data.pad_token_id_within(tokenizer, len(tokenizer)))
+rows, _, _ = prepare(one_process, tokenizer, BUNDLED_DATASET,
+                     SFTRows(args.seq_len, data.pad_token_id_within(tokenizer, len(tokenizer))), eval_fraction=0.0,
+                     seed=args.seed)
 rows = rows.with_format("torch", columns=["input_ids", "labels", "position_ids"])
 # A config-only folder, as the recipe builds it (zero_utils.model.loading.load_causal_lm): random fp32 weights.
 model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model), dtype=torch.float32)

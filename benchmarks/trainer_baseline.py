@@ -24,8 +24,10 @@ from accelerate import PartialState
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from zero_utils.assets import BUNDLED_DATASET
-from zero_utils.data import prepared_rows, sft_examples
+from zero_utils.data import sft_examples
 from zero_utils.data import training as data
+from zero_utils.data.preparation import prepare
+from zero_utils.data.sft_rows import SFTRows
 from zero_utils.model.loading import load_causal_lm, load_tokenizer
 from zero_utils.run import accelerator as accelerator_setup
 from zero_utils.run import distributed
@@ -47,9 +49,9 @@ else:
 world = accelerator.num_processes
 torch.manual_seed(args.seed)
 tokenizer = load_tokenizer(args.model)
-train_rows, _, _ = prepared_rows.prepare_rows(accelerator, tokenizer, BUNDLED_DATASET, seq_len=args.seq_len,
-                                              eval_fraction=0.0, seed=args.seed, column_map=None,
-                                              pad_token_id=data.pad_token_id_within(tokenizer, len(tokenizer)))
+train_rows, _, _ = prepare(accelerator, tokenizer, BUNDLED_DATASET,
+                           SFTRows(args.seq_len, data.pad_token_id_within(tokenizer, len(tokenizer))),
+                           eval_fraction=0.0, seed=args.seed)
 train_rows = train_rows.with_format("torch", columns=["input_ids", "labels", "position_ids"])
 model = load_causal_lm(args.model, accelerator=accelerator)
 model.config.use_cache = False  # packed rows: with a cache object transformers skips the block-diagonal mask

@@ -15,7 +15,7 @@ Features, the flag that controls each, and its cost:
                 (both counted in the data line); a pair's two answers in one micro-batch, right-padded, never
                 packed (zero_utils/preference/data.py); pairs tokenized once per job by --num_proc forked
                 processes into memory-mapped files, reused by a relaunch with the same data and settings
-                (zero_utils/preference/prepared_pairs.py)
+                (zero_utils/data/preparation.py, zero_utils/preference/pair_rows.py)
     loss        --loss sigmoid (DPO) | ipo | simpo, --beta (0 = the loss's default), --simpo_gamma, --sft_weight
                 (+ the chosen answers' NLL per token); the mean over the global batch's pairs, so processes and
                 accumulation never change the maths (zero_utils/preference/loss.py cites each paper)

@@ -80,6 +80,7 @@ class Settings:
     per_device_batch_size: int = flag(4, "rows of seq_len tokens per process per micro-step", min=1)
     gradient_accumulation_steps: int = flag(1, "micro-steps per optimizer step", min=1)
     seq_len: int = flag(256, "tokens per packed row", min=8)
+    packing: bool = flag(True, "pack several examples per row; --no-packing: one example per row, padded (as trl)")
     lr: float = flag(3e-3, "peak learning rate", min=0.0)
     weight_decay: float = flag(0.1, "AdamW weight decay on matrices", min=0.0)
     adam_beta1: float = flag(0.9, "AdamW's first-moment decay", min=0.0, below=1.0)
@@ -161,7 +162,7 @@ def main(cfg: Settings) -> None:
         dataset=DataSource(cfg.dataset, cfg.dataset_split, cfg.dataset_config, cfg.dataset_revision),
         eval_fraction=cfg.eval_fraction, seed=cfg.seed, per_device_batch_size=cfg.per_device_batch_size,
         gradient_accumulation_steps=cfg.gradient_accumulation_steps, attn_implementation=attn_implementation,
-        num_proc=cfg.num_proc)
+        num_proc=cfg.num_proc, packing=cfg.packing)
     checkpointer.check(model_config, train_data.global_batch_rows)  # an incompatible checkpoint fails here
 
     # ------------------------------------------------------------------------------ model, parallelize

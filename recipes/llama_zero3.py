@@ -14,12 +14,13 @@ The accelerate YAML picks the engine; this file is the same under all of them:
 Features, the flag that controls each, and its cost:
     data        --dataset (Hub id; a .json/.jsonl/.parquet/.csv/.txt/.arrow file, also .gz; a folder of shards or
                 a save_to_disk folder), --dataset_split TRAIN[,EVAL], --dataset_config, --dataset_revision
-                (--revision pins --model), --columns; packed to --seq_len with
-                per-example position ids; --attn_implementation sdpa/eager keep examples apart with block
-                masks, flash_attention_2/3/4 with varlen offsets (others refused; unset on CUDA in bf16 with
+                (--revision pins --model), --columns; packed to --seq_len with per-example position ids
+                (--no-packing: one example per row, padded to --seq_len; fewer tokens trained per step);
+                --attn_implementation sdpa/eager keep examples apart with block masks, flash_attention_2/3/4
+                with varlen offsets (others refused; unset on CUDA in bf16 with
                 flash-attn installed: flash_attention_2, said in one line); loss only on answer tokens
                 (text: every token, long documents split into windows); rows prepared once per job in bounded
-                memory and reused by a relaunch with the same data and settings (zero_utils/data/prepared_rows.py),
+                memory and reused by a relaunch with the same data and settings (zero_utils/data/preparation.py),
                 tokenized by --num_proc forked processes (default the CPUs, at most 8; ~20 MB of RAM each)
     batch       --per_device_batch_size x --gradient_accumulation_steps x processes = global batch; the loss
                 is the mean over the global batch's answer tokens, so in fp32 the engine never changes the maths
@@ -95,6 +96,7 @@ class Settings:
     per_device_batch_size: int = flag(4, "rows of seq_len tokens per process per micro-step", min=1)
     gradient_accumulation_steps: int = flag(1, "micro-steps per optimizer step", min=1)
     seq_len: int = flag(256, "tokens per packed row", min=8)
+    packing: bool = flag(True, "pack several examples per row; --no-packing: one example per row, padded (as trl)")
     lr: float = flag(3e-3, "peak learning rate", min=0.0)
     weight_decay: float = flag(0.1, "AdamW weight decay on matrices", min=0.0)
     adam_beta1: float = flag(0.9, "AdamW's first-moment decay", min=0.0, below=1.0)
@@ -174,7 +176,7 @@ def main(cfg: Settings) -> None:
         dataset=DataSource(cfg.dataset, cfg.dataset_split, cfg.dataset_config, cfg.dataset_revision),
         eval_fraction=cfg.eval_fraction, seed=cfg.seed, per_device_batch_size=cfg.per_device_batch_size,
         gradient_accumulation_steps=cfg.gradient_accumulation_steps, attn_implementation=attn_implementation,
-        num_proc=cfg.num_proc)
+        num_proc=cfg.num_proc, packing=cfg.packing)
     checkpointer.check(model_config, train_data.global_batch_rows)  # an incompatible checkpoint fails here
 
     # ------------------------------------------------------------------------------ model, parallelize

@@ -46,14 +46,15 @@ def bundled_rows(model_dir: str, model, seq_len: int, seed: int, eval_fraction: 
     from transformers import AutoTokenizer
 
     from zero_utils.assets import BUNDLED_DATASET
-    from zero_utils.data import prepared_rows
     from zero_utils.data import training as data
+    from zero_utils.data.preparation import prepare
+    from zero_utils.data.sft_rows import SFTRows
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    train_rows, eval_rows, _ = prepared_rows.prepare_rows(
-        SimpleNamespace(is_main_process=True, num_processes=1), tokenizer, BUNDLED_DATASET, seq_len=seq_len,
-        eval_fraction=eval_fraction, seed=seed, column_map=None, cache_root=cache_root,
-        pad_token_id=data.pad_token_id_within(tokenizer, model.get_input_embeddings().num_embeddings))
+    pad_token_id = data.pad_token_id_within(tokenizer, model.get_input_embeddings().num_embeddings)
+    train_rows, eval_rows, _ = prepare(SimpleNamespace(is_main_process=True, num_processes=1), tokenizer,
+                                       BUNDLED_DATASET, SFTRows(seq_len, pad_token_id), eval_fraction=eval_fraction,
+                                       seed=seed, cache_root=cache_root)
     return train_rows, eval_rows
 
 

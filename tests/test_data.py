@@ -10,9 +10,11 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from zero_utils.assets import BUNDLED_MODEL
-from zero_utils.data import packing, prepared_rows, sft_examples
+from zero_utils.data import packing, sft_examples
 from zero_utils.data import sources as data_sources
 from zero_utils.data import training as data
+from zero_utils.data.preparation import prepare as prepare_once_per_job
+from zero_utils.data.sft_rows import SFTRows
 from zero_utils.run.errors import UserError
 
 pytestmark = pytest.mark.unit
@@ -198,7 +200,7 @@ def test_each_step_splits_the_global_batch_over_ranks_and_micro_steps_without_ov
 
     table = {k: torch.arange(16).unsqueeze(1).repeat(1, 4).tolist() for k in ("input_ids", "labels", "position_ids")}
     rows = datasets.Dataset.from_dict({**table, "num_loss_tokens": [4] * 16}).with_format(
-        "torch", columns=["input_ids", "labels", "position_ids"])  # as prepared_rows.open_rows returns them
+        "torch", columns=["input_ids", "labels", "position_ids"])  # as sft_rows.open_rows returns them
 
     got = []
     for rank in range(2):
@@ -235,15 +237,15 @@ def test_not_enough_rows_names_the_global_batch():
         data.check_enough_rows(3, 8)
 
 
-ONE_PROCESS = SimpleNamespace(is_main_process=True, num_processes=1)  # prepare_rows' only use of it
+ONE_PROCESS = SimpleNamespace(is_main_process=True, num_processes=1)  # the preparation's only use of it
 
 
 def prepare(tmp_path, tokenizer, path, vocab_size, seq_len=128, **kwargs):
-    """prepared_rows.prepare_rows as TrainingData.prepare calls it, rows kept under tmp_path."""
+    """The preparation of SFT rows as TrainingData.prepare calls it, rows kept under tmp_path."""
     kwargs = {"eval_fraction": 0.0, "seed": 0, "column_map": None, **kwargs}
-    return prepared_rows.prepare_rows(ONE_PROCESS, tokenizer, str(path), seq_len=seq_len,
-                                      pad_token_id=data.pad_token_id_within(tokenizer, vocab_size),
-                                      cache_root=tmp_path / "rows", **kwargs)
+    return prepare_once_per_job(ONE_PROCESS, tokenizer, str(path),
+                                SFTRows(seq_len, data.pad_token_id_within(tokenizer, vocab_size)),
+                                cache_root=tmp_path / "rows", **kwargs)
 
 
 def test_rows_are_padded_inside_the_embedding_when_the_tokenizer_pad_is_outside(tmp_path):

@@ -19,19 +19,20 @@ PREPARE = """
 import sys
 from types import SimpleNamespace
 from transformers import AutoTokenizer
-from zero_utils.data.prepared_rows import prepare_rows
+from zero_utils.data.preparation import prepare
+from zero_utils.data.sft_rows import SFTRows
 from zero_utils.assets import BUNDLED_DATASET
 from zero_utils.assets import BUNDLED_MODEL
 from zero_utils.assets import BUNDLED_PREFERENCES
-from zero_utils.preference.prepared_pairs import prepare_pairs
+from zero_utils.preference.pair_rows import PairRows
 
 one, tokenizer, root = SimpleNamespace(is_main_process=True, num_processes=1), AutoTokenizer.from_pretrained(
     BUNDLED_MODEL), sys.argv[1]
 for seq_len in (64, 128):
-    print(prepare_rows(one, tokenizer, BUNDLED_DATASET, seq_len=seq_len, eval_fraction=0.1, seed=0, column_map=None,
-                       pad_token_id=0, cache_root=root, num_proc=1)[2]["folder"])
-print(prepare_pairs(one, tokenizer, BUNDLED_PREFERENCES, seq_len=128, eval_fraction=0.1, seed=0, column_map={},
-                    cache_root=root, num_proc=1)[2]["folder"])
+    print(prepare(one, tokenizer, BUNDLED_DATASET, SFTRows(seq_len, 0), eval_fraction=0.1, seed=0, cache_root=root,
+                  num_proc=1)[2]["folder"])
+print(prepare(one, tokenizer, BUNDLED_PREFERENCES, PairRows(128), eval_fraction=0.1, seed=0, cache_root=root,
+              num_proc=1)[2]["folder"])
 """
 HOLD = "import sys\nfrom zero_utils.data.cache import hold\nhold(sys.argv[1])\nprint('held', flush=True)\ninput()\n"
 

@@ -131,15 +131,15 @@ def test_a_mixture_is_prepared_once_with_each_sources_draw_and_a_key_of_its_own(
     from transformers import AutoTokenizer
 
     from zero_utils.assets import BUNDLED_DATASET, BUNDLED_MODEL
-    from zero_utils.data.prepared_mixture import prepare_mixture_rows
+    from zero_utils.data.preparation import prepare as prepare_once
+    from zero_utils.data.sft_rows import SFTRows
 
     tokenizer = AutoTokenizer.from_pretrained(BUNDLED_MODEL)
     alpaca = write_alpaca(tmp_path / "alpaca.json", 400)
 
     def prepare(mixture):
-        return prepare_mixture_rows(SimpleNamespace(is_main_process=True, num_processes=1), tokenizer, mixture,
-                                    seq_len=128, eval_fraction=0.0, pad_token_id=0, cache_root=tmp_path / "rows",
-                                    num_proc=1)
+        return prepare_once(SimpleNamespace(is_main_process=True, num_processes=1), tokenizer, mixture,
+                            SFTRows(128, 0), eval_fraction=0.0, seed=0, cache_root=tmp_path / "rows", num_proc=1)
 
     base = [(BUNDLED_DATASET, 0.75, "train"), (str(alpaca), 0.25, "train")]
     train, evaluation, info = prepare(mixture_file(tmp_path, "m.yaml", base))
@@ -227,18 +227,19 @@ def test_a_source_the_recipe_cannot_train_is_one_sentence(tmp_path):
     from transformers import AutoTokenizer
 
     from zero_utils.assets import BUNDLED_DATASET, BUNDLED_MODEL, BUNDLED_PREFERENCES
-    from zero_utils.data.prepared_mixture import prepare_mixture_rows
-    from zero_utils.preference.prepared_pairs import prepare_pairs
+    from zero_utils.data.preparation import prepare
+    from zero_utils.data.sft_rows import SFTRows
+    from zero_utils.preference.pair_rows import PairRows
 
     one = SimpleNamespace(is_main_process=True, num_processes=1)
     tokenizer = AutoTokenizer.from_pretrained(BUNDLED_MODEL)
     both = mixture_file(tmp_path, "both.yaml", [(BUNDLED_DATASET, 0.5, "train"), (BUNDLED_PREFERENCES, 0.5, "train")])
     with pytest.raises(UserError, match=r"chosen.*rejected|rejected.*chosen") as sft:
-        prepare_mixture_rows(one, tokenizer, both, seq_len=128, eval_fraction=0, pad_token_id=0,
-                             cache_root=tmp_path / "rows", num_proc=1)
+        prepare(one, tokenizer, both, SFTRows(128, 0), eval_fraction=0, seed=0, cache_root=tmp_path / "rows",
+                num_proc=1)
     with pytest.raises(UserError, match=r"a preference set needs prompt, chosen and rejected") as dpo:
-        prepare_pairs(one, tokenizer, str(tmp_path / "both.yaml"), seq_len=128, eval_fraction=0, seed=0,
-                      column_map={}, cache_root=tmp_path / "pairs", num_proc=1)
+        prepare(one, tokenizer, str(tmp_path / "both.yaml"), PairRows(128), eval_fraction=0, seed=0,
+                cache_root=tmp_path / "pairs", num_proc=1)
     assert "\n" not in str(sft.value) + str(dpo.value)
     assert not list((tmp_path / "rows").glob("*")) and not list((tmp_path / "pairs").glob("*"))  # nothing written
 
@@ -253,7 +254,8 @@ def test_each_sources_tokens_are_the_tokens_in_its_rows_after_truncation(tmp_pat
     from transformers import AutoTokenizer
 
     from zero_utils.assets import BUNDLED_DATASET, BUNDLED_MODEL
-    from zero_utils.data.prepared_mixture import prepare_mixture_rows
+    from zero_utils.data.preparation import prepare
+    from zero_utils.data.sft_rows import SFTRows
 
     words = " ".join(["paris"] * 300)
     (tmp_path / "long.jsonl").write_text("".join(json.dumps({"messages": [
@@ -261,9 +263,9 @@ def test_each_sources_tokens_are_the_tokens_in_its_rows_after_truncation(tmp_pat
         for i in range(300)))
     mixture = mixture_file(tmp_path, "m.yaml", [(BUNDLED_DATASET, 0.1, "train"), (str(tmp_path / "long.jsonl"),
                                                                                     1.0, "train")])
-    _, _, info = prepare_mixture_rows(SimpleNamespace(is_main_process=True, num_processes=1),
-                                      AutoTokenizer.from_pretrained(BUNDLED_MODEL), mixture, seq_len=128,
-                                      eval_fraction=0.0, pad_token_id=0, cache_root=tmp_path / "rows", num_proc=1)
+    _, _, info = prepare(SimpleNamespace(is_main_process=True, num_processes=1),
+                         AutoTokenizer.from_pretrained(BUNDLED_MODEL), mixture, SFTRows(128, 0), eval_fraction=0.0,
+                         seed=0, cache_root=tmp_path / "rows", num_proc=1)
     short, long = info["sources"]
     assert long["examples_used"] == 300 and info["truncated_examples"] == 300
     assert long["tokens"] == 300 * 128
@@ -291,9 +293,10 @@ from types import SimpleNamespace
 from transformers import AutoTokenizer
 from zero_utils.data import sources
 from zero_utils.data.mixture import mixture_in_file
-from zero_utils.data.prepared_mixture import prepare_mixture_rows
+from zero_utils.data.preparation import prepare
+from zero_utils.data.sft_rows import SFTRows
 from zero_utils.assets import BUNDLED_MODEL
-from zero_utils.preference.prepared_pairs import prepare_pairs
+from zero_utils.preference.pair_rows import PairRows
 from zero_utils.run.errors import UserError
 
 def never(*args, **kwargs):
@@ -306,11 +309,11 @@ for kind in ("sft", "dpo"):
         path = f"{{root}}/{{kind}}_{{case}}.yaml"
         try:
             if kind == "sft":
-                prepare_mixture_rows(one, tokenizer, mixture_in_file(path), seq_len=128, eval_fraction=0,
-                                     pad_token_id=0, cache_root=root + "/rows", num_proc=1)
+                prepare(one, tokenizer, mixture_in_file(path), SFTRows(128, 0), eval_fraction=0, seed=0,
+                        cache_root=root + "/rows", num_proc=1)
             else:
-                prepare_pairs(one, tokenizer, path, seq_len=128, eval_fraction=0, seed=0, column_map={{}},
-                              cache_root=root + "/pairs", num_proc=1)
+                prepare(one, tokenizer, path, PairRows(128), eval_fraction=0, seed=0, cache_root=root + "/pairs",
+                        num_proc=1)
         except UserError as error:
             print(error)
 """

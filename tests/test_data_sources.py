@@ -18,7 +18,7 @@ from conftest import REPO
 from transformers import AutoConfig
 
 from zero_utils.assets import BUNDLED_MODEL
-from zero_utils.data import prepared_rows
+from zero_utils.data import preparation
 from zero_utils.data import sources as data_sources
 from zero_utils.data import training as data
 from zero_utils.data.sources import DataSource
@@ -79,7 +79,7 @@ def tokenizer():
 
 
 def prepare(tmp_path, tokenizer, source, monkeypatch, **kwargs):
-    monkeypatch.setattr(prepared_rows, "rows_cache_root", lambda: tmp_path / "rows")
+    monkeypatch.setattr(preparation, "rows_cache_root", lambda: tmp_path / "rows")
     settings = {"columns": "", "seq_len": 64, "eval_fraction": 0.25, "seed": 0, "per_device_batch_size": 1,
                 "gradient_accumulation_steps": 1, "attn_implementation": "", **kwargs}
     return data.TrainingData.prepare(ONE_PROCESS, tokenizer, model.load_config(BUNDLED_MODEL), dataset=source,

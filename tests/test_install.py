@@ -88,7 +88,7 @@ def test_copy_writes_a_recipe_its_yamls_and_presets_and_refuses_with_one_sentenc
         "accelerate_configs/ddp.yaml", "accelerate_configs/fsdp2.yaml", "accelerate_configs/zero3.yaml",
         "llama_lora.py", "presets/llama-3.1-8b-lora.yaml"]
     first_line = (dest / "llama_lora.py").read_text().splitlines()[0]
-    assert first_line.endswith("(copied from zero-recipes 0.3.0)")
+    assert first_line.endswith("(copied from zero-recipes 0.4.0)")
     assert "recipes/llama_lora.py" not in (dest / "llama_lora.py").read_text()  # its commands run from DEST
     python(env, work, "-m", "zero_utils", "copy", "llama_dpo", str(dest))  # the YAMLs it shares are the same
     for recipe in ("llama_lora.py", "llama_dpo.py"):

@@ -18,9 +18,10 @@ from conftest import REPO
 from transformers import AutoTokenizer
 
 from zero_utils.assets import BUNDLED_MODEL, BUNDLED_PREFERENCES
+from zero_utils.data.preparation import prepare as prepare_once
 from zero_utils.data.sources import DataSource, choose_splits, load_raw_dataset
 from zero_utils.preference.examples import PAIR_COLUMNS, pair_layout, tokenize_pair
-from zero_utils.preference.prepared_pairs import prepare_pairs
+from zero_utils.preference.pair_rows import PairRows
 
 pytestmark = pytest.mark.unit
 
@@ -67,8 +68,8 @@ def tokenizer():
 
 def prepare(tmp_path, tokenizer, dataset, seq_len=128, eval_fraction=0.0, seed=0, column_map=None, num_proc=1,
             cache="pairs"):
-    return prepare_pairs(ONE_PROCESS, tokenizer, str(dataset), seq_len=seq_len, eval_fraction=eval_fraction,
-                         seed=seed, column_map=column_map or {}, cache_root=tmp_path / cache, num_proc=num_proc)
+    return prepare_once(ONE_PROCESS, tokenizer, str(dataset), PairRows(seq_len), eval_fraction=eval_fraction,
+                        seed=seed, column_map=column_map or {}, cache_root=tmp_path / cache, num_proc=num_proc)
 
 
 def write_pairs(path: Path, num_pairs: int, words: tuple[int, int] = (5, 20), columns=("prompt", "chosen", "rejected"),
@@ -144,14 +145,14 @@ from types import SimpleNamespace
 from transformers import AutoTokenizer
 from harness import _RssAnonPeak
 from zero_utils.assets import BUNDLED_MODEL
-from zero_utils.preference.prepared_pairs import prepare_pairs
+from zero_utils.data.preparation import prepare
+from zero_utils.preference.pair_rows import PairRows
 from zero_utils.data.sources import DataSource, load_raw_dataset
 tokenizer = AutoTokenizer.from_pretrained(BUNDLED_MODEL)
 load_raw_dataset(DataSource({data!r}))  # datasets' own JSON -> Arrow conversion (10 MB blocks), done before
 with _RssAnonPeak() as probe:
-    train, _, info = prepare_pairs(SimpleNamespace(is_main_process=True, num_processes=1), tokenizer, {data!r},
-                                   seq_len=512, eval_fraction=0.01, seed=0, column_map={{}},
-                                   cache_root={cache!r}, num_proc=2)
+    train, _, info = prepare(SimpleNamespace(is_main_process=True, num_processes=1), tokenizer, {data!r},
+                             PairRows(512), eval_fraction=0.01, seed=0, cache_root={cache!r}, num_proc=2)
 print(json.dumps({{"rise": probe.peak - probe.before, "pairs": len(train)}}))
 """
 

@@ -17,9 +17,10 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from zero_utils.assets import BUNDLED_DATASET, BUNDLED_MODEL
-from zero_utils.data import packing, prepared_rows, sft_examples
+from zero_utils.data import packing, preparation, sft_examples, sft_rows, source_stream
 from zero_utils.data import sources as data_sources
 from zero_utils.data import training as data
+from zero_utils.data.sft_rows import SFTRows
 from zero_utils.run.errors import UserError
 
 pytestmark = pytest.mark.unit
@@ -77,10 +78,10 @@ def tokenizer():
 
 def prepare(tmp_path, tokenizer, dataset, seq_len=128, eval_fraction=0.0, seed=0, column_map=None, num_proc=1,
             cache="rows"):
-    return prepared_rows.prepare_rows(ONE_PROCESS, tokenizer, str(dataset), seq_len=seq_len,
-                                      eval_fraction=eval_fraction, seed=seed, column_map=column_map,
-                                      pad_token_id=data.pad_token_id_within(tokenizer, len(tokenizer)),
-                                      cache_root=tmp_path / cache, num_proc=num_proc)
+    return preparation.prepare(ONE_PROCESS, tokenizer, str(dataset),
+                               SFTRows(seq_len, data.pad_token_id_within(tokenizer, len(tokenizer))),
+                               eval_fraction=eval_fraction, seed=seed, column_map=column_map,
+                               cache_root=tmp_path / cache, num_proc=num_proc)
 
 
 def as_lists(rows):
@@ -106,8 +107,8 @@ def test_bounded_packer_gives_the_reference_rows_on_the_bundled_data(tmp_path, t
 def test_rows_do_not_depend_on_the_chunk_sizes(tmp_path, tokenizer, monkeypatch):
     """Small read and write chunks (7 examples, 3 rows of 96 tokens): the open row crosses chunk borders, the rows
     stay the reference's."""
-    monkeypatch.setattr(prepared_rows, "CHUNK_EXAMPLES", 7)
-    monkeypatch.setattr(prepared_rows, "WRITE_TOKENS", 3 * 96)
+    monkeypatch.setattr(source_stream, "CHUNK_EXAMPLES", 7)
+    monkeypatch.setattr(sft_rows, "WRITE_TOKENS", 3 * 96)
     train, _, info = prepare(tmp_path, tokenizer, BUNDLED_DATASET, seq_len=96)
     split = data_sources.load_raw_dataset(BUNDLED_DATASET)["train"]
     tokenized = [sft_examples.tokenize_example(tokenizer, sft_examples.to_messages(ex, "messages")) for ex in split]
@@ -228,7 +229,7 @@ def test_a_tokenizer_datasets_cannot_hash_is_keyed_and_reused(tmp_path, tokenize
     corpus = write_corpus(tmp_path / "corpus.jsonl", 10)
     assert not prepare(tmp_path, unhashable, corpus)[2]["reused"]
     assert prepare(tmp_path, unhashable, corpus)[2]["reused"]
-    assert prepared_rows.tokenizer_fingerprint(unhashable) == prepared_rows.tokenizer_fingerprint(tokenizer)
+    assert preparation.tokenizer_fingerprint(unhashable) == preparation.tokenizer_fingerprint(tokenizer)
 
 
 def test_rows_are_the_same_for_any_num_proc(tmp_path, tokenizer):
@@ -239,7 +240,7 @@ def test_rows_are_the_same_for_any_num_proc(tmp_path, tokenizer):
 
     one = prepare(tmp_path, tokenizer, BUNDLED_DATASET, eval_fraction=0.05, num_proc=1, cache="one")
     two = prepare(tmp_path, tokenizer, BUNDLED_DATASET, eval_fraction=0.05, num_proc=2, cache="two")
-    assert len(one[0]) > 0 and one[2]["train_examples"] >= prepared_rows.PARALLEL_MIN_EXAMPLES
+    assert len(one[0]) > 0 and one[2]["train_examples"] >= preparation.PARALLEL_MIN_EXAMPLES
     for name in ("train.arrow", "eval.arrow"):
         digests = {hashlib.sha256((Path(info["folder"]) / name).read_bytes()).hexdigest() for *_, info in (one, two)}
         assert len(digests) == 1, name
@@ -254,9 +255,9 @@ def test_num_proc_0_takes_the_cpus_this_process_may_use_at_most_8(tmp_path, toke
     """The default --num_proc 0: the CPUs of this process's affinity mask (not the machine's count), capped at 8."""
     for cpus, expected in ((range(64), 8), (range(3), 3), (range(1), 1)):
         monkeypatch.setattr(os, "sched_getaffinity", lambda pid, cpus=cpus: set(cpus))
-        assert prepared_rows.default_num_proc() == expected
+        assert preparation.default_num_proc() == expected
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 5})
-    monkeypatch.setattr(prepared_rows, "PARALLEL_MIN_EXAMPLES", 1)  # workers on this small corpus
+    monkeypatch.setattr(preparation, "PARALLEL_MIN_EXAMPLES", 1)  # workers on this small corpus
     info = prepare(tmp_path, tokenizer, write_corpus(tmp_path / "corpus.jsonl", 10), num_proc=0)[2]
     assert info["tokenizing_processes"] == 2
 
@@ -270,7 +271,7 @@ def test_a_tokenizer_that_cannot_be_pickled_tokenizes_in_the_forked_workers(tmp_
     unpicklable.unhashable = (n for n in range(1))  # a generator
     with pytest.raises(TypeError):
         dill.dumps(unpicklable)
-    monkeypatch.setattr(prepared_rows, "PARALLEL_MIN_EXAMPLES", 1)  # workers on this small corpus
+    monkeypatch.setattr(preparation, "PARALLEL_MIN_EXAMPLES", 1)  # workers on this small corpus
     corpus = write_corpus(tmp_path / "corpus.jsonl", 30)
     one = prepare(tmp_path, tokenizer, corpus, num_proc=1, cache="one")[2]
     two = prepare(tmp_path, unpicklable, corpus, num_proc=2, cache="two")[2]
@@ -279,8 +280,8 @@ def test_a_tokenizer_that_cannot_be_pickled_tokenizes_in_the_forked_workers(tmp_
 
 
 def test_without_fork_one_process_tokenizes_with_a_line(tmp_path, tokenizer, capsys, monkeypatch):
-    monkeypatch.setattr(prepared_rows.multiprocessing, "get_all_start_methods", lambda: ["spawn"])  # as on Windows
-    monkeypatch.setattr(prepared_rows, "PARALLEL_MIN_EXAMPLES", 1)
+    monkeypatch.setattr(preparation.multiprocessing, "get_all_start_methods", lambda: ["spawn"])  # as on Windows
+    monkeypatch.setattr(preparation, "PARALLEL_MIN_EXAMPLES", 1)
     info = prepare(tmp_path, tokenizer, write_corpus(tmp_path / "corpus.jsonl", 10), num_proc=2)[2]
     assert info["tokenizing_processes"] == 1
     assert "--num_proc 2: this platform cannot fork worker processes (they inherit the tokenizer); tokenizing in " \
@@ -290,8 +291,8 @@ def test_without_fork_one_process_tokenizes_with_a_line(tmp_path, tokenizer, cap
 def test_a_worker_that_dies_stops_the_preparation_with_one_sentence(tmp_path, tokenizer, monkeypatch):
     """A worker killed mid-split (as the kernel's OOM killer does) ends the preparation with an error naming
     --num_proc instead of leaving the job waiting for its chunk forever; no rows are kept."""
-    monkeypatch.setattr(prepared_rows, "PARALLEL_MIN_EXAMPLES", 1)
-    monkeypatch.setattr(prepared_rows, "_tokenize_chunk", lambda *args: os._exit(9))  # the forked workers see it
+    monkeypatch.setattr(preparation, "PARALLEL_MIN_EXAMPLES", 1)
+    monkeypatch.setattr(SFTRows, "make", lambda *args: os._exit(9))  # the forked workers see it
     with pytest.raises(UserError, match=r"a --num_proc 2 worker process died while tokenizing .* pass a lower "):
         prepare(tmp_path, tokenizer, write_corpus(tmp_path / "corpus.jsonl", 10), num_proc=2)
     assert list((tmp_path / "rows").iterdir()) == []  # nor the half-written folder
@@ -304,10 +305,10 @@ def test_a_node_prepares_its_own_rows_unless_it_sees_the_main_process_ones(tmp_p
     of the node's own, make it prepare."""
     shared = tmp_path / "cache"
     main_folder = shared / "0123abcd"
-    assert not prepared_rows.sees_rows_of_main_process(shared, main_folder)  # this node's disk: nothing there
+    assert not preparation.sees_rows_of_main_process(shared, main_folder)  # this node's disk: nothing there
     main_folder.mkdir(parents=True)
     (main_folder / "train.arrow").write_bytes(b"")
-    assert not prepared_rows.sees_rows_of_main_process(shared, main_folder)  # incomplete: no info.json yet
+    assert not preparation.sees_rows_of_main_process(shared, main_folder)  # incomplete: no info.json yet
     (main_folder / "info.json").write_text("{}")
-    assert prepared_rows.sees_rows_of_main_process(shared, main_folder)
-    assert not prepared_rows.sees_rows_of_main_process(tmp_path / "node1_cache", main_folder)
+    assert preparation.sees_rows_of_main_process(shared, main_folder)
+    assert not preparation.sees_rows_of_main_process(tmp_path / "node1_cache", main_folder)

@@ -16,4 +16,4 @@ docs/ARCHITECTURE.md, read by tests/test_configs.py):
 
 Names of 0.1 (one flat folder) and 0.2 map to their modules now in docs/ARCHITECTURE.md's rename table."""
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"

@@ -452,12 +452,12 @@ def _evidence() -> dict:
 
 def main() -> None:
     from zero_utils.checkpoint import export as checkpoint_export
-    from zero_utils.data import prepared_rows
+    from zero_utils.data import sft_rows
     from zero_utils.launch import cli
 
     if os.environ.get("ZERO_RECIPES_HARNESS_SLOW_PREP_S"):
-        prepared_rows.tokenize_example = _slow_first_call(prepared_rows.tokenize_example,
-                                                          float(os.environ["ZERO_RECIPES_HARNESS_SLOW_PREP_S"]))
+        sft_rows.tokenize_example = _slow_first_call(sft_rows.tokenize_example,
+                                                     float(os.environ["ZERO_RECIPES_HARNESS_SLOW_PREP_S"]))
     if os.environ.get("ZERO_RECIPES_HARNESS_SLOW_EXPORT_S"):
         checkpoint_export.export = _slow_first_call(checkpoint_export.export,
                                                     float(os.environ["ZERO_RECIPES_HARNESS_SLOW_EXPORT_S"]))

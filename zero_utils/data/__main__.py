@@ -46,7 +46,7 @@ def main(argv=None) -> None:
     if args.cache_dir:
         root = Path(args.cache_dir).expanduser()
     else:
-        from zero_utils.data.prepared_rows import rows_cache_root
+        from zero_utils.data.preparation import rows_cache_root
 
         root = rows_cache_root()
     if not root.is_dir():

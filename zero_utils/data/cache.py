@@ -1,6 +1,6 @@
 """The prepared-data cache: what it holds, which folders a running job uses, and pruning the rest.
 
-Every prepared folder (SFT rows, a mixture's rows, preference pairs: zero_utils.data.prepared_rows.prepared_folder)
+Every prepared folder (SFT rows, preference pairs, prompts: zero_utils.data.preparation.prepared_folder)
 stays under `<datasets cache>/zero_recipes_rows` until removed: each seq_len, tokenizer or data variant adds one.
 
     python -m zero_utils.data cache                               # list: kind, data, tokenizer, seq_len, size, last use
@@ -48,10 +48,10 @@ def hold(folder: Path) -> None:
 
 @dataclass
 class CachedFolder:
-    """One folder of the cache: `kind` ('SFT rows' or 'preference pairs', either with ' (mixture)', or 'incomplete': a
-    preparation that is running or was killed), `data` (the data set, or the mixture's sources), `tokenizer` (its
-    name when recorded, else its fingerprint's first 12 characters), `seq_len`, `size_bytes` and `last_use` (seconds
-    since the epoch)."""
+    """One folder of the cache: `kind` ('SFT rows', 'SFT rows, unpacked', 'preference pairs' or 'prompts', each with
+    ' (mixture)', or 'incomplete': a preparation that is running or was killed), `data` (the data set, or the
+    mixture's sources), `tokenizer` (its name when recorded, else its fingerprint's first 12 characters), `seq_len`
+    (prompts: their longest), `size_bytes` and `last_use` (seconds since the epoch)."""
 
     path: Path
     kind: str
@@ -90,13 +90,16 @@ def list_folders(root: Path) -> list[CachedFolder]:
             continue
         info = json.loads(info_file.read_text())
         depends_on = info.get("depends_on", {})
-        kind = ("preference pairs" if "pairs" in depends_on else "SFT rows") + (
+        rows = depends_on.get("rows", depends_on)  # folders before the one pipeline kept the settings at the top
+        kind = {"pairs": "preference pairs", "prompts": "prompts"}.get(rows.get("kind"), "SFT rows")
+        kind = "preference pairs" if "pairs" in depends_on else kind
+        kind += (", unpacked" if rows.get("packing") is False else "") + (
             " (mixture)" if "mixture" in depends_on else "")
         hold_file = folder / HOLD_FILE
         last_use = hold_file.stat().st_mtime if hold_file.is_file() else info_file.stat().st_mtime
         folders.append(CachedFolder(folder, kind, _describe_data(depends_on),
                                     info.get("tokenizer_name") or str(depends_on.get("tokenizer", "?"))[:12],
-                                    depends_on.get("seq_len"), size, last_use))
+                                    rows.get("seq_len", rows.get("max_prompt_tokens")), size, last_use))
     return sorted(folders, key=lambda f: f.last_use)
 
 

@@ -33,6 +33,9 @@ from zero_utils.run.errors import UserError
 MIXTURE_KEYS = ("datasets", "seed", "test_split_size")
 SOURCE_KEYS = ("id", "config", "split", "revision", "columns", "weight")
 SINGLE_SOURCE_FLAGS = ("dataset_config", "dataset_split", "dataset_revision", "columns")
+# How a mixture's order, hold-out and report are made; a change prepares every mixture again. 2: the per-source
+# tokens are counted in the rows, after the packer's truncation (1: as tokenized).
+MIXTURE_VERSION = 2
 
 
 @dataclass(frozen=True)

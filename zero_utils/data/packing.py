@@ -14,6 +14,10 @@ Two kinds of long inputs:
   with positions restarting at 0, and counted in `split_documents`. Labels are already shifted, so the last
   position of a window still predicts the first token of the next one: no target of the document is lost.
 
+Without packing (`packing=False`, the SFT recipes' --no-packing), every example starts a row of its own, padded to
+`seq_len` the same way (the rows a sequence-parallel run or a per-example comparison needs); the long inputs are cut
+or split as above, each window its own row.
+
 A row: input_ids, labels, position_ids (restarting at 0 at every example; the padding tail is its own "example"
 with no loss), each `seq_len` long, and num_loss_tokens. Pure Python: no torch, no process group.
 """
@@ -36,12 +40,13 @@ class Packer:
         for row in packer.finish():
             write(row)
 
+    `packing=False`: one example (or document window) per row, padded.
     Counters: `truncated` (SFT examples cut to seq_len), `split_documents` (documents split into windows),
     `examples` (examples added), `rows` (rows handed back), `tokens` (example tokens placed in rows: after
     truncation, without dropped examples and padding)."""
 
-    def __init__(self, seq_len: int, pad_token_id: int):
-        self.seq_len, self.pad_token_id = seq_len, pad_token_id
+    def __init__(self, seq_len: int, pad_token_id: int, *, packing: bool = True):
+        self.seq_len, self.pad_token_id, self.packing = seq_len, pad_token_id, packing
         self.truncated = self.split_documents = self.examples = self.rows = self.tokens = 0
         self._ids: list[int] = []
         self._labels: list[int] = []
@@ -69,7 +74,8 @@ class Packer:
         return [self._flush()] if self._ids else []
 
     def _place(self, input_ids: list[int], labels: list[int]) -> list[dict]:
-        done = [self._flush()] if len(self._ids) + len(input_ids) > self.seq_len else []
+        overflows = len(self._ids) + len(input_ids) > self.seq_len
+        done = [self._flush()] if self._ids and (overflows or not self.packing) else []
         self.tokens += len(input_ids)
         self._ids += input_ids
         self._labels += labels

@@ -1,6 +1,7 @@
 """A run's training data: load -> format -> tokenize -> mask prompt tokens -> pack -> per-rank batches. One
 example's formatting and tokenizing is zero_utils.data.sft_examples, packing zero_utils.data.packing, preparing the rows
-once per job (bounded memory, kept in a cache) zero_utils.data.prepared_rows; here each step's rows are drawn and dealt
+once per job (bounded memory, kept in a cache) zero_utils.data.preparation with the SFT row maker
+zero_utils.data.sft_rows; here each step's rows are drawn and dealt
 to the ranks (`TrainingData`), and the run's data line written.
 
 Accepted inputs: a Hub dataset id, a local file (.json, .jsonl, .parquet, .csv, .txt) or a local folder, in the
@@ -33,10 +34,10 @@ from dataclasses import dataclass
 
 import torch
 
-from zero_utils.data import attention, prepared_rows
-from zero_utils.data.mixture import mixture_in_file
-from zero_utils.data.prepared_mixture import prepare_mixture_rows
+from zero_utils.data import attention
+from zero_utils.data.preparation import prepare
 from zero_utils.data.sft_examples import IGNORE_INDEX, parse_column_map
+from zero_utils.data.sft_rows import SFTRows
 from zero_utils.data.sources import DataSource
 from zero_utils.run.errors import UserError
 from zero_utils.run.transfer import to_device
@@ -121,11 +122,12 @@ def rank_rows(indices: list[int], rank: int, world_size: int, per_device_batch_s
 
 
 def describe(info: dict, seq_len: int) -> str:
-    """One line about the prepared data, from the `info` of `prepared_rows.prepare_rows`."""
+    """One line about the prepared data, from the `info` of `preparation.prepare` with `sft_rows.SFTRows`."""
     splits = (f" (train: {info['train_split']}, eval: {info.get('eval_split') or 'none'})"
               if info.get("train_split") else "")
     line = (f"data: {info['layout']} layout{splits}, {info['train_examples']} train / {info['eval_examples']} eval "
-            f"examples -> {info['train_rows']} / {info['eval_rows']} rows of {seq_len} tokens")
+            f"examples -> {info['train_rows']} / {info['eval_rows']} rows of {seq_len} tokens"
+            + ("" if info.get("packing", True) else ", one example each (--no-packing)"))
     counts = [f"{info[key]} {what}" for key, what in (("truncated_examples", "examples truncated"),
                                                       ("split_documents", "documents split into windows"))
               if info.get(key)]
@@ -214,26 +216,22 @@ class TrainingData:
     @classmethod
     def prepare(cls, accelerator, tokenizer, model_config, *, dataset: DataSource | str, columns: str, seq_len: int,
                 eval_fraction: float, seed: int, per_device_batch_size: int, gradient_accumulation_steps: int,
-                attn_implementation: str, num_proc: int = 0) -> "TrainingData":
-        """Check, load, tokenize and pack `dataset` once per job (`prepared_rows.prepare_rows`: the main process
-        prepares, or reuses rows prepared earlier; the others open them) for a model of `model_config`. `dataset`: a
-        `DataSource` (--dataset with its split, configuration and revision) or a name. `columns` is the --columns
-        text (`parse_column_map`). `num_proc`: processes that tokenize (0 = the main process's CPUs, at most 8; the rows
-        are the same for any value: `prepared_rows.prepare_rows`)."""
+                attn_implementation: str, num_proc: int = 0, packing: bool = True) -> "TrainingData":
+        """Check, load, tokenize and pack `dataset` once per job (`preparation.prepare` with `sft_rows.SFTRows`: the
+        main process prepares, or reuses rows prepared earlier; the others open them) for a model of `model_config`.
+        `dataset`: a `DataSource` (--dataset with its split, configuration and revision), a name, or a YAML file of
+        a dataset_mixture. `columns` is the --columns text (`parse_column_map`). `num_proc`: processes that tokenize
+        (0 = the main process's CPUs, at most 8; the rows are the same for any value). `packing`: False (--no-packing)
+        puts each example in a row of its own, padded to `seq_len`."""
         # Packed rows hold several examples: sdpa/eager keep them apart with per-row block masks, flash-attention
         # with the examples' offsets passed to its varlen kernel; any other implementation is refused here.
         path = attention.packing_path(attn_implementation)
         check_seq_len(seq_len, model_config.max_position_embeddings)  # before tokenizing anything
         pad_token_id = pad_token_id_within(tokenizer, model_config.vocab_size)  # an id inside the embedding
-        mixture = mixture_in_file(dataset.name if isinstance(dataset, DataSource) else dataset)
-        if mixture is not None:  # several weighted sources (zero_utils.data.mixture)
-            train_rows, eval_rows, info = prepare_mixture_rows(
-                accelerator, tokenizer, mixture, seq_len=seq_len, eval_fraction=eval_fraction,
-                pad_token_id=pad_token_id, num_proc=num_proc)
-        else:
-            train_rows, eval_rows, info = prepared_rows.prepare_rows(
-                accelerator, tokenizer, dataset, seq_len=seq_len, eval_fraction=eval_fraction, seed=seed,
-                column_map=parse_column_map(columns), pad_token_id=pad_token_id, num_proc=num_proc)
+        train_rows, eval_rows, info = prepare(accelerator, tokenizer, dataset,
+                                              SFTRows(seq_len, pad_token_id, packing=packing),
+                                              eval_fraction=eval_fraction, seed=seed,
+                                              column_map=parse_column_map(columns), num_proc=num_proc)
         check_token_ids(tokenizer, info["max_token_id"], model_config.vocab_size)
         return cls(train_rows, eval_rows, info, seq_len=seq_len, per_device_batch_size=per_device_batch_size,
                    gradient_accumulation_steps=gradient_accumulation_steps, seed=seed, attention_path=path,

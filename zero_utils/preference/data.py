@@ -1,7 +1,7 @@
 """A preference run's data: pairs of answers to one prompt, the chosen and the rejected, tokenized with the chat
 template as supervised fine-tuning does (zero_utils.preference.examples: layouts, truncation, loss on the answer's
-tokens only), prepared once per job and kept (zero_utils.preference.prepared_pairs: memory-mapped Arrow, reused by a
-relaunch), and dealt to the ranks a global batch of pairs at a time.
+tokens only), prepared once per job and kept (zero_utils.data.preparation with zero_utils.preference.pair_rows:
+memory-mapped Arrow, reused by a relaunch), and dealt to the ranks a global batch of pairs at a time.
 
 Any source `--dataset` takes (zero_utils.data.sources); splits as for SFT: the data set's eval split, else
 `--eval_fraction` of the pairs held out. Pairs are not packed: a micro-batch of b pairs is 2b rows, the b chosen
@@ -18,11 +18,12 @@ from dataclasses import dataclass
 
 import torch
 
+from zero_utils.data.preparation import prepare
 from zero_utils.data.sft_examples import IGNORE_INDEX
 from zero_utils.data.sources import DataSource
 from zero_utils.data.training import MicroBatch, check_seq_len, global_batch_indices, pad_token_id_within, rank_rows
 from zero_utils.preference.examples import parse_pair_columns
-from zero_utils.preference.prepared_pairs import prepare_pairs
+from zero_utils.preference.pair_rows import PairRows
 from zero_utils.run.errors import UserError
 from zero_utils.run.transfer import to_device
 
@@ -47,10 +48,10 @@ class StepPairs:
 
 
 class PreferenceData:
-    """A preference run's pairs, prepared once per job (`prepared_pairs.prepare_pairs`: the main process tokenizes,
-    the other ranks open its memory-mapped files), sliced per optimizer step into this rank's micro-batches of
-    `per_device_batch_size` pairs (global batch = pairs per device x accumulation x processes, in the data order of
-    `zero_utils.data.training.global_batch_indices`).
+    """A preference run's pairs, prepared once per job (`preparation.prepare` with `pair_rows.PairRows`: the main
+    process tokenizes, the other ranks open its memory-mapped files), sliced per optimizer step into this rank's
+    micro-batches of `per_device_batch_size` pairs (global batch = pairs per device x accumulation x processes, in
+    the data order of `zero_utils.data.training.global_batch_indices`).
 
         data = PreferenceData.prepare(accelerator, tokenizer, model_config, dataset=..., seq_len=..., ...)
         batches = data.step_batches(step)      # this rank's micro-batches, the global pair and chosen-token counts
@@ -82,14 +83,14 @@ class PreferenceData:
     def prepare(cls, accelerator, tokenizer, model_config, *, dataset: DataSource, columns: str, seq_len: int,
                 eval_fraction: float, seed: int, per_device_batch_size: int, gradient_accumulation_steps: int,
                 num_proc: int = 0) -> PreferenceData:
-        """Check the flags, then prepare the pairs once per job (or reuse them: `prepared_pairs.prepare_pairs`;
-        every other rank waits outside collectives and opens them). `num_proc`: processes that tokenize (0 = the
-        main process's CPUs, at most 8; the same pairs for any value)."""
+        """Check the flags, then prepare the pairs once per job (or reuse them: `preparation.prepare` with
+        `pair_rows.PairRows`; every other rank waits outside collectives and opens them). `num_proc`: processes that
+        tokenize (0 = the main process's CPUs, at most 8; the same pairs for any value)."""
         check_seq_len(seq_len, model_config.max_position_embeddings)
         column_map = parse_pair_columns(columns)
-        train, evaluation, info = prepare_pairs(accelerator, tokenizer, dataset, seq_len=seq_len,
-                                                eval_fraction=eval_fraction, seed=seed, column_map=column_map,
-                                                num_proc=num_proc)
+        train, evaluation, info = prepare(accelerator, tokenizer, dataset, PairRows(seq_len),
+                                          eval_fraction=eval_fraction, seed=seed, column_map=column_map,
+                                          num_proc=num_proc, what="the preparation of the preference pairs")
         return cls(train, evaluation, info, per_device_batch_size=per_device_batch_size,
                    gradient_accumulation_steps=gradient_accumulation_steps, seed=seed,
                    pad_token_id=pad_token_id_within(tokenizer, model_config.vocab_size),

@@ -6,7 +6,7 @@ The pass: the reference held as zero_utils.train.frozen_model holds it (sharded 
 replica otherwise), its head and loss over chunks of tokens, no gradients; the pairs strided over the ranks in
 micro-batches of --per_device_batch_size (`PreferenceData.strided_batches`); each row's summed answer log-probability
 gathered to every rank. The file: `reference_logps-<key>.safetensors` in the pairs' folder
-(zero_utils.preference.prepared_pairs), tensors `train` (pairs, 2) and `eval` float32 (column 0 the chosen answer's, 1
+(zero_utils.preference.pair_rows), tensors `train` (pairs, 2) and `eval` float32 (column 0 the chosen answer's, 1
 the rejected one's), one row per pair in the pairs' order, written by each node's local main process. The key hashes
 what the log-probs depend on beyond the pairs (whose folder already keys the data, tokenizer and --seq_len): the
 reference's weights (`model.loading.weights_identity`: a Hub commit, or a local folder's weight files with sizes and
