@@ -774,3 +774,13 @@ def test_compare_runs_the_dpo_recipe_and_shows_the_reference(session_root, refer
         pairs = summary["reference_logps"]["pairs"]
         assert pairs > 1000 and cell == f"{8 * pairs / 1e6:.2f}" == "0.02"
     assert (out / "memory.png").stat().st_size > 10_000
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_the_summary_and_the_tracker_config_keep_their_keys(dpo_run):
+    """Issue 71: summary.json and the W&B config of a DPO run hold exactly the keys the recipe wrote itself before
+    the bookkeeping moved into the tracker (tests/record_keys.py)."""
+    from record_keys import assert_record_keys
+
+    assert_record_keys(dpo_run("ddp"), "llama_dpo")

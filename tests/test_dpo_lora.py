@@ -203,3 +203,13 @@ def test_merge_of_a_config_only_base_is_the_trained_model(runs, pairs_with_a_tes
     assert chosen == pytest.approx(summary["eval_logps_chosen"], rel=1e-5)
     assert rejected == pytest.approx(summary["eval_logps_rejected"], rel=1e-5)
     assert abs(summary["eval_reward_margin"]) > 1e-3  # trained: the adapters are no longer zero
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_the_summary_and_the_tracker_config_keep_their_keys(dpo_lora_run):
+    """Issue 71: summary.json and the W&B config of a LoRA-DPO run (with its held-out test split) hold exactly the
+    keys the recipe wrote itself before the bookkeeping moved into the tracker (tests/record_keys.py)."""
+    from record_keys import assert_record_keys
+
+    assert_record_keys(dpo_lora_run("fsdp2", 4, 1, "--merge"), "llama_dpo_lora")

@@ -125,3 +125,11 @@ def test_merge_of_a_config_only_base_is_the_trained_model(runs, tmp_path):
     merged = AutoModelForCausalLM.from_pretrained(merged_dir).eval()
     _, eval_rows = plain_loop.bundled_rows(BUNDLED_MODEL, merged, 64, 42, 0.05, tmp_path / "rows")
     assert plain_loop.mean_token_loss(merged, eval_rows) == pytest.approx(run.summary()["eval_loss"], rel=1e-5)
+
+
+def test_the_summary_and_the_tracker_config_keep_their_keys(runs, base_model):
+    """Issue 71: summary.json and the W&B config of a LoRA run hold exactly the keys the recipe wrote itself before
+    the bookkeeping moved into the tracker (tests/record_keys.py)."""
+    from record_keys import assert_record_keys
+
+    assert_record_keys(lora_run(runs, base_model, "fsdp2"), "llama_lora")

@@ -45,3 +45,11 @@ def test_the_readme_job_prints_no_fsdp2_view_warning(sft_defaults):
     now, and the README's main job, run with Python's default warnings, prints none."""
     assert "UserWarning" in sft_defaults.output  # the launch shows warnings (transformers' own, at least one)
     assert "returned a view tensor" not in sft_defaults.output
+
+
+def test_the_summary_and_the_tracker_config_keep_their_keys(sft_defaults):
+    """Issue 71: the bookkeeping every recipe shares moved into the tracker; summary.json and the W&B config of the
+    default run hold exactly the keys the recipe wrote itself before (tests/record_keys.py)."""
+    from record_keys import assert_record_keys
+
+    assert_record_keys(sft_defaults, "llama_zero3")

@@ -12,6 +12,7 @@ tests/conftest.py's `launch` runs every recipe through it. What it always adds, 
                   + "causal_lms_built_per_rank" (zero_utils.model.loading.load_causal_lm's calls before the first step
                     ended: the policy, and a preference loss's frozen reference where the recipe builds one)
     probe_logits.safetensors  fp32 logits at the last position of --prompt (exports are checked against them)
+    tracker_config_keys.json  the keys of the run's config as the trackers (W&B) get it
 Switched on by the environment:
     ZERO_RECIPES_HARNESS_RECIPE          the recipe to run (default recipes/llama_zero3.py)
     ZERO_RECIPES_HARNESS_VERIFY_REPLICAS=1  + "weights_digest_per_rank": SHA-256 of the gathered weights per rank
@@ -62,6 +63,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import os
 import runpy
 import sys
@@ -308,6 +310,8 @@ def _attach_probes() -> None:
 
     def write_summary_with_evidence(tracker, summary):
         write_summary(tracker, {**summary, **_evidence()})
+        if tracker.is_main:  # the keys of the config the trackers got (W&B's offline log is binary)
+            (tracker.output_dir / "tracker_config_keys.json").write_text(json.dumps(sorted(tracker.config)))
 
     tracking.RunTracker.write_summary = write_summary_with_evidence
     kill = os.environ.get("ZERO_RECIPES_HARNESS_KILL_RANK_DURING_SAVE")

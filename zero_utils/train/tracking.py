@@ -50,6 +50,8 @@ class RunTracker:
         self.output_dir = Path(output_dir)
         self.is_main = accelerator.is_main_process
         self.trackers = trackers_for(report_to) or []
+        # the run's config as the trackers get it (also without a tracker): the settings, the run's facts, versions
+        self.config = {**config, **{f"version_{k}": v for k, v in software_versions().items()}}
         if self.is_main:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             _restart_metrics(self.output_dir / "metrics.jsonl", resumed.step if resumed else None)
@@ -62,8 +64,7 @@ class RunTracker:
             init_kwargs["wandb"] = {"dir": str(self.output_dir), "name": run_name, "group": group}
             if resumed and resumed.tracker_run_id:  # the resumed run continues the same W&B run: one curve, not two
                 init_kwargs["wandb"].update(id=resumed.tracker_run_id, resume="allow")
-        config = {**config, **{f"version_{k}": v for k, v in software_versions().items()}}
-        accelerator.init_trackers(project, config=_loggable(config), init_kwargs=init_kwargs)
+        accelerator.init_trackers(project, config=_loggable(self.config), init_kwargs=init_kwargs)
         if self.is_main and "wandb" in self.trackers and os.environ.get("WANDB_MODE") == "offline":
             run_dir = accelerator.get_tracker("wandb", unwrap=True).dir
             offline_dir = Path(run_dir).parent
