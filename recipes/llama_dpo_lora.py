@@ -32,7 +32,7 @@ final/merged/}.
 """
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 from accelerate.utils import set_seed
@@ -68,7 +68,7 @@ from zero_utils.preference.reference import build_reference
 from zero_utils.run import distributed  # [LoRA] distributed: the adapter saved on the main process
 from zero_utils.run.accelerator import build_accelerator, close_and_exit
 from zero_utils.train import tracking
-from zero_utils.train.measurement import RunMeasurements, checkpoint_bytes
+from zero_utils.train.measurement import RunMeasurements
 from zero_utils.train.optim import build_adamw, clip_gradients, describe_param_groups, lr_at, set_lr
 from zero_utils.train.token_loss import TokenLosses
 
@@ -155,10 +155,7 @@ def main(cfg: Settings) -> None:
         max_grad_norm=cfg.max_grad_norm, log_with=tracking.trackers_for(cfg.report_to), project_dir=cfg.output_dir,
         timeout_s=cfg.collective_timeout_s, wait_limit_s=cfg.wait_limit_s)
     world = accelerator.num_processes
-    checkpointer = Checkpointer(
-        accelerator, engine, cfg.output_dir, resume=cfg.resume, overwrite=cfg.overwrite, save_every=cfg.save_every,
-        keep_last=cfg.keep_last, max_steps=cfg.max_steps, async_save=cfg.async_save, seed=cfg.seed,
-        settings=asdict(cfg))
+    checkpointer = Checkpointer(accelerator, engine, cfg)  # --output_dir, --resume, --save_every, --keep_last, ...
 
     # ------------------------------------------------------------------------------ will it fit
     model_config = load_config(cfg.model, cfg.trust_remote_code, cfg.revision, accelerator=accelerator)
@@ -208,13 +205,11 @@ def main(cfg: Settings) -> None:
     token_losses = TokenLosses(model, cfg.loss_chunk_tokens, pairs.ignore_index, accelerator)  # chunked head
     reference.start(model, token_losses)  # checks the policy starts from the reference's weights (also on a resume)
 
-    run_config = {**asdict(cfg), "engine": engine.name, "world_size": world, "num_params": num_params, "beta": beta,
-                  "optimizer_param_groups": param_groups, "mixed_precision": accelerator.mixed_precision,
-                  "global_batch_pairs": pairs.global_batch_pairs, **fit.summary(),
-                  "data_sources": pairs.info.get("sources"), "frozen_params": frozen_params}  # [LoRA]
-    tracker = tracking.RunTracker(accelerator, cfg.output_dir, cfg.report_to, cfg.project, config=run_config,
-                                  run_name=f"{engine}-{world}x-{cfg.loss}", group=cfg.group or None,
-                                  resumed=checkpointer.resumed)
+    # metrics.jsonl, summary.json and W&B: the settings and the run's facts in its config; a resumed run continues
+    tracker = tracking.RunTracker(accelerator, cfg, engine, data=pairs, fit=fit, num_params=num_params,
+                                  param_groups=param_groups, resumed=checkpointer.resumed,
+                                  run_name=f"{engine}-{world}x-{cfg.loss}",
+                                  config={"beta": beta, "frozen_params": frozen_params})  # [LoRA]
     start_step = checkpointer.load(model, optimizer, hf_files=(accelerator.unwrap_model(model).config, tokenizer),
                                    tracker_run_id=tracker.run_id)
     meter = RunMeasurements(accelerator, engine, model, optimizer, tokens_per_step=pairs.tokens_per_step,
@@ -304,20 +299,13 @@ def main(cfg: Settings) -> None:
         # [LoRA] the other ranks wait outside any collective: a long merge is not cut off by --collective_timeout_s.
         distributed.run_on_main_process(accelerator, save_adapter_and_merge)  # [LoRA]
         answer = greedy_answer(model, tokenizer, cfg.prompt, cfg.max_new_tokens, accelerator.device)
-        summary = {
-            "engine": engine.name, "world_size": world, "mixed_precision": accelerator.mixed_precision,
-            "steps": cfg.max_steps, "loss_type": cfg.loss, "beta": beta, "final_loss": last.loss if last else None,
-            **(last.means if last else {}), **{f"eval_{k}": v for k, v in (eval_metrics or {}).items()},
-            "eval_loss": (eval_metrics or {}).get("loss"), "perplexity": None, **meter.summary(), **fit.summary(),
-            **reference.summary(), "frozen_params": frozen_params,  # [LoRA]
-            "num_params": num_params, "global_batch_pairs": pairs.global_batch_pairs,  # [LoRA]
-            "seq_len": cfg.seq_len, "data": pairs.info, "optimizer_param_groups": param_groups, "prompt": cfg.prompt,
-            "answer": answer, "group": cfg.group or None, "checkpoint": str(final_checkpoint),
-            "checkpoint_bytes": checkpoint_bytes(final_checkpoint),
-        }
-        tracker.write_summary(summary)
+        summary = tracker.write_summary(  # the meter's figures next to the fit check's, the data, the checkpoint
+            meter, last, eval_loss=(eval_metrics or {}).get("loss"), answer=answer, checkpoint=final_checkpoint,
+            own={"loss_type": cfg.loss, "beta": beta, **(last.means if last else {}),
+                 **{f"eval_{k}": v for k, v in (eval_metrics or {}).items()}, "perplexity": None,
+                 **reference.summary(), "frozen_params": frozen_params})  # [LoRA]
         accelerator.print(f"\n{cfg.prompt!r} -> {answer!r}")
-        accelerator.print(tracking.summary_table({**summary, "eval_loss": summary["eval_loss"]}))
+        accelerator.print(tracking.summary_table(summary))
         if math.isfinite(summary.get("eval_reward_accuracy") or math.nan):
             accelerator.print(f"held-out reward accuracy {summary['eval_reward_accuracy']:.3f}, margin "
                               f"{summary['eval_reward_margin']:.3f}")

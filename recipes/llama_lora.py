@@ -25,7 +25,7 @@ Outputs: --output_dir/{metrics.jsonl, summary.json, checkpoints/step_<N>/, final
 """
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 from accelerate.utils import set_seed
@@ -52,7 +52,7 @@ from zero_utils.model.qlora import quantization_config  # [LoRA]
 from zero_utils.run import distributed  # [LoRA] distributed: the adapter saved on the main process
 from zero_utils.run.accelerator import build_accelerator, close_and_exit
 from zero_utils.train import tracking
-from zero_utils.train.measurement import RunMeasurements, checkpoint_bytes
+from zero_utils.train.measurement import RunMeasurements
 from zero_utils.train.optim import build_adamw, clip_gradients, describe_param_groups, lr_at, set_lr
 from zero_utils.train.token_loss import TokenLosses
 
@@ -137,10 +137,7 @@ def main(cfg: Settings) -> None:
     if attention_note:
         accelerator.print(attention_note)
     # Owns resume, cadence, async saves, keep-last, metadata and the save after SIGTERM/SIGINT/SIGUSR1.
-    checkpointer = Checkpointer(
-        accelerator, engine, cfg.output_dir, resume=cfg.resume, overwrite=cfg.overwrite, save_every=cfg.save_every,
-        keep_last=cfg.keep_last, max_steps=cfg.max_steps, async_save=cfg.async_save, seed=cfg.seed,
-        settings=asdict(cfg))
+    checkpointer = Checkpointer(accelerator, engine, cfg)  # --output_dir, --resume, --save_every, --keep_last, ...
     set_seed(cfg.seed)
 
     # ------------------------------------------------------------------------------ will it fit
@@ -184,15 +181,11 @@ def main(cfg: Settings) -> None:
     model, optimizer = accelerator.prepare(model, optimizer)
     after_prepare(model, accelerator, engine, None)  # [LoRA] no fp32-master restore: the adapters are new tensors
     token_losses = TokenLosses(model, cfg.loss_chunk_tokens, train_data.ignore_index, accelerator)  # chunked head
-    run_config = {**asdict(cfg), "engine": engine.name, "world_size": world, "num_params": num_params,
-                  "optimizer_param_groups": param_groups, "mixed_precision": accelerator.mixed_precision,
-                  "global_batch_rows": train_data.global_batch_rows, **fit.summary(),
-                  "data_sources": train_data.info.get("sources"),  # a mixture's sources and shares
-                  "attention": attn_implementation or "sdpa"}  # what ran, also when the recipe chose it
-    run_config["frozen_params"] = frozen_params  # [LoRA]
-    tracker = tracking.RunTracker(accelerator, cfg.output_dir, cfg.report_to, cfg.project, config=run_config,
-                                  run_name=f"{engine}-{world}x", group=cfg.group or None,
-                                  resumed=checkpointer.resumed)  # a resumed run continues its W&B run
+    # metrics.jsonl, summary.json and W&B: the settings and the run's facts in its config; a resumed run continues
+    own_config = {"attention": attn_implementation or "sdpa"}  # what ran, also when the recipe chose it
+    own_config["frozen_params"] = frozen_params  # [LoRA]
+    tracker = tracking.RunTracker(accelerator, cfg, engine, data=train_data, fit=fit, num_params=num_params,
+                                  param_groups=param_groups, resumed=checkpointer.resumed, config=own_config)
     start_step = checkpointer.load(model, optimizer, hf_files=(accelerator.unwrap_model(model).config, tokenizer),
                                    tracker_run_id=tracker.run_id)
     # tokens/s, memory peaks from here on, model-state bytes next to the formula's, saved-activation bytes
@@ -270,18 +263,10 @@ def main(cfg: Settings) -> None:
         # [LoRA] the other ranks wait outside any collective: a long merge is not cut off by --collective_timeout_s.
         distributed.run_on_main_process(accelerator, save_adapter_and_merge)  # [LoRA]
         answer = greedy_answer(model, tokenizer, cfg.prompt, cfg.max_new_tokens, accelerator.device)  # every rank
-        summary = {
-            "engine": engine.name, "world_size": world, "mixed_precision": accelerator.mixed_precision,
-            "steps": cfg.max_steps, "final_loss": last.loss if last else None, "eval_loss": eval_loss,
-            "perplexity": math.exp(eval_loss) if eval_loss is not None else None, **meter.summary(),
-            **fit.summary(),  # the estimate next to the measured peak_mem_bytes
-            "num_params": num_params, "global_batch_rows": train_data.global_batch_rows, "seq_len": cfg.seq_len,
-            "frozen_params": frozen_params,  # [LoRA]
-            "data": train_data.info, "optimizer_param_groups": param_groups, "prompt": cfg.prompt, "answer": answer,
-            "group": cfg.group or None, "checkpoint": str(final_checkpoint),
-            "checkpoint_bytes": checkpoint_bytes(final_checkpoint),
-        }
-        tracker.write_summary(summary)
+        own_summary = {"perplexity": math.exp(eval_loss) if eval_loss is not None else None}
+        own_summary["frozen_params"] = frozen_params  # [LoRA]
+        summary = tracker.write_summary(  # the meter's figures next to the fit check's, the data, the checkpoint
+            meter, last, eval_loss=eval_loss, answer=answer, checkpoint=final_checkpoint, own=own_summary)
         accelerator.print(f"\n{cfg.prompt!r} -> {answer!r}")
         accelerator.print(tracking.summary_table(summary))
     close_and_exit(accelerator)  # closes the trackers (flushes W&B) and the process group; exits with status 0

@@ -306,14 +306,14 @@ def _attach_probes() -> None:
     data.TrainingData = RecordedData
     preference_data.PreferenceData = RecordedPreferenceData
     measurement.RunMeasurements = RecordedMeasurements
-    write_summary = tracking.RunTracker.write_summary
+    write = tracking.RunTracker.write
 
-    def write_summary_with_evidence(tracker, summary):
-        write_summary(tracker, {**summary, **_evidence()})
+    def write_with_evidence(tracker, summary):
+        write(tracker, {**summary, **_evidence()})
         if tracker.is_main:  # the keys of the config the trackers got (W&B's offline log is binary)
             (tracker.output_dir / "tracker_config_keys.json").write_text(json.dumps(sorted(tracker.config)))
 
-    tracking.RunTracker.write_summary = write_summary_with_evidence
+    tracking.RunTracker.write = write_with_evidence
     kill = os.environ.get("ZERO_RECIPES_HARNESS_KILL_RANK_DURING_SAVE")
     if kill:
         class DyingSave(checkpoint_storage.PendingSave):  # a save whose shards are written, not yet completed

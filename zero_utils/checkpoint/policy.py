@@ -18,7 +18,7 @@ import json
 import socket
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from zero_utils.checkpoint import export as checkpoint_export
@@ -151,7 +151,7 @@ class Checkpointer:
     `save_every` steps and the last step), background saves and their completion, keep-last pruning, and the save
     after a stop signal (SIGTERM/SIGINT/SIGUSR1). Three verbs, and the export of what was trained:
 
-        checkpointer = Checkpointer(accelerator, engine, output_dir, resume=..., save_every=..., settings=...)
+        checkpointer = Checkpointer(accelerator, engine, cfg)        # the recipe's settings (flags below)
         checkpointer.check(model_config, global_batch_rows)       # before the model is loaded: refuses a mismatch
         start_step = checkpointer.load(model, optimizer, hf_files=(config, tokenizer), tracker_run_id=...)
         for step in range(start_step + 1, max_steps + 1):
@@ -160,21 +160,24 @@ class Checkpointer:
                 break
         checkpointer.export(f"{output_dir}/final")              # the newest checkpoint as a Hugging Face folder
 
+    `settings`: the recipe's settings dataclass, kept whole in every checkpoint's metadata; the policy reads its
+    output_dir, resume ('auto' or a path), overwrite, save_every, keep_last, max_steps, async_save and seed.
     `resumed` says where a resumed run continues (for the tracker), None for a fresh run. Construct it on every
     rank, before the model is built: on several nodes it checks that every node sees `output_dir`
     (`check_output_dir_shared`); every other method must be called by every rank at the same point. Background
     saves (`async_save`) need DCP storage (DDP, FSDP2); under DeepSpeed saves are synchronous.
     """
 
-    def __init__(self, accelerator, engine: Engine, output_dir: str, *, resume: str, overwrite: bool,
-                 save_every: int, keep_last: int, max_steps: int, async_save: bool, seed: int, settings: dict):
+    def __init__(self, accelerator, engine: Engine, settings):
+        output_dir, resume, seed = settings.output_dir, settings.resume, settings.seed
         self.accelerator, self.engine, self.output_dir = accelerator, engine, output_dir
-        self.save_every, self.keep_last, self.max_steps, self.seed = save_every, keep_last, max_steps, seed
+        self.save_every, self.keep_last, self.max_steps = settings.save_every, settings.keep_last, settings.max_steps
+        self.seed = seed
         self.storage = checkpoint_storage.storage_for(engine)
-        self.use_async = async_save and self.storage.supports_async_save
-        self.settings = settings
+        self.use_async = settings.async_save and self.storage.supports_async_save
+        self.settings = asdict(settings)
         check_output_dir_shared(accelerator, output_dir)  # on several nodes: every node sees the same folder
-        self.resume_from = resolve_resume(output_dir, resume, overwrite)
+        self.resume_from = resolve_resume(output_dir, resume, settings.overwrite)
         self.resume_meta = read_metadata(self.resume_from) if self.resume_from else None
         self.resumed = (Resumed(self.resume_meta["step"], self.resume_meta.get("tracker_run_id"), self.resume_from)
                         if self.resume_meta else None)

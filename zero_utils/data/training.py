@@ -237,6 +237,10 @@ class TrainingData:
                    gradient_accumulation_steps=gradient_accumulation_steps, seed=seed, attention_path=path,
                    rank=accelerator.process_index, world_size=accelerator.num_processes, device=accelerator.device)
 
+    def global_batch_record(self) -> dict:
+        """The global batch's size as the run's config and summary record it: {"global_batch_rows": rows}."""
+        return {"global_batch_rows": self.global_batch_rows}
+
     def global_batch(self, step: int) -> list[int]:
         """Row indices of optimizer step `step` (1-based), all ranks' micro-batches together."""
         return global_batch_indices(len(self.train_rows), self.global_batch_rows, step, self.seed)

@@ -96,6 +96,10 @@ class PreferenceData:
                    pad_token_id=pad_token_id_within(tokenizer, model_config.vocab_size),
                    rank=accelerator.process_index, world_size=accelerator.num_processes, device=accelerator.device)
 
+    def global_batch_record(self) -> dict:
+        """The global batch's size as the run's config and summary record it: {"global_batch_pairs": pairs}."""
+        return {"global_batch_pairs": self.global_batch_pairs}
+
     @property
     def has_eval(self) -> bool:
         return self.evaluation is not None and len(self.evaluation) > 0
