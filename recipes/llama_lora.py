@@ -216,8 +216,9 @@ def main(cfg: Settings) -> None:
         set_lr(optimizer, lr)
         batches = train_data.step_batches(step)  # this rank's micro-batches, and the global batch's answer tokens
         # The loss is the mean over the global batch's answer tokens: after accelerate divides by the accumulation
-        # steps and the engine averages over ranks, the gradient is d(sum of token losses)/d(theta) / token count.
-        scale = world * cfg.gradient_accumulation_steps / batches.loss_tokens
+        # steps and the engine averages over ranks, the gradient is d(sum of token losses)/d(theta) / token count:
+        # loss_scale = processes x accumulation / answer tokens ([SP] with the engine's own averaging).
+        scale = batches.loss_scale
         loss_sum = torch.zeros((), device=accelerator.device)
         for micro in batches.micro_batches:
             with accelerator.accumulate(model), meter.micro_batch(offload):  # saved activations; states (steps 1-2)

@@ -35,6 +35,9 @@ Switched on by the environment:
                                          in tokens, and the output head group's FSDP2 all-gathers (loss_probe.py)
     ZERO_RECIPES_HARNESS_ACCUMULATION_PROBE=1  + "accumulation_probe_per_rank": what each rank holds after every
                                          micro-batch of the first two steps (accumulation_probe.py)
+    ZERO_RECIPES_HARNESS_SP_PROBE=1      + "block_positions_per_rank": the positions the first decoder block's input
+                                         held, {"train": [...], "eval": [...]} (sequence parallelism)
+    ZERO_RECIPES_HARNESS_SP_UNSCALED=1   the loss scale without zero_utils.run.engine's sequence-parallel factor
     ZERO_RECIPES_HARNESS_FROZEN_PROBE=DIR  + "frozen_probe_per_rank": the model folder DIR (another model than the
                                          policy, its vocabulary) held by zero_utils.train.frozen_model.FrozenModel
                                          once the policy is prepared, then released: its parameters, the bytes this
@@ -229,6 +232,8 @@ def _attach_probes() -> None:
             _seen["meter"] = self
             if os.environ.get("ZERO_RECIPES_HARNESS_FROZEN_PROBE"):
                 _seen["frozen_probe"] = _frozen_probe(os.environ["ZERO_RECIPES_HARNESS_FROZEN_PROBE"], *args[:3])
+            if os.environ.get("ZERO_RECIPES_HARNESS_SP_PROBE") == "1":
+                _positions_probe(self.accelerator.unwrap_model(self.model))
 
         def start_step(self):
             _seen["offload_step"] = _seen.get("offload_step", 0) + 1
@@ -409,6 +414,20 @@ def _gathered_params_probe(module) -> dict:
     return found
 
 
+def _positions_probe(model) -> None:
+    """Record the positions each decoder block's input holds, in training and in eval mode (a forward hook on the
+    first block): under sequence parallelism a rank trains on seq_len / sp of them and evaluates whole rows."""
+    seen = _seen.setdefault("block_positions", {"train": [], "eval": []})
+
+    def record(module, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        shapes = seen["train" if module.training else "eval"]
+        if hidden.shape[1] not in shapes:
+            shapes.append(hidden.shape[1])
+
+    model.get_decoder().layers[0].register_forward_pre_hook(record, with_kwargs=True)
+
+
 def _evidence() -> dict:
     """Every rank's view of the run (gathered: every rank must be here), and the probe logits on the main one."""
     from accelerate.utils import gather_object
@@ -445,6 +464,8 @@ def _evidence() -> dict:
         if os.environ.get("ZERO_RECIPES_HARNESS_OFFLOAD_PROBE") == "1" else None,
         "unique_graphs_per_step_per_rank": gather_object([_seen.get("unique_graphs")])
         if os.environ.get("ZERO_RECIPES_HARNESS_COMPILE_PROBE") == "1" else None,
+        "block_positions_per_rank": gather_object([_seen.get("block_positions")])
+        if os.environ.get("ZERO_RECIPES_HARNESS_SP_PROBE") == "1" else None,
         "weights_digest_per_rank": gather_object([evidence.weights_digest(model)])
         if os.environ.get("ZERO_RECIPES_HARNESS_VERIFY_REPLICAS") == "1" else None,
     }
@@ -459,6 +480,10 @@ def main() -> None:
     from zero_utils.data import sft_rows
     from zero_utils.launch import cli
 
+    if os.environ.get("ZERO_RECIPES_HARNESS_SP_UNSCALED") == "1":  # [SP] the loss scale without ZeRO-3's factor
+        from zero_utils.data import training as sp_training
+
+        sp_training.sequence_parallel_gradient_factor = lambda accelerator, sp: 1
     if os.environ.get("ZERO_RECIPES_HARNESS_SLOW_PREP_S"):
         sft_rows.tokenize_example = _slow_first_call(sft_rows.tokenize_example,
                                                      float(os.environ["ZERO_RECIPES_HARNESS_SLOW_PREP_S"]))

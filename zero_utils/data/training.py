@@ -39,6 +39,7 @@ from zero_utils.data.preparation import prepare
 from zero_utils.data.sft_examples import IGNORE_INDEX, parse_column_map
 from zero_utils.data.sft_rows import SFTRows
 from zero_utils.data.sources import DataSource
+from zero_utils.run.engine import sequence_parallel_gradient_factor, sequence_parallel_size
 from zero_utils.run.errors import UserError
 from zero_utils.run.transfer import to_device
 
@@ -76,6 +77,30 @@ def check_enough_rows(num_rows: int, global_batch_size: int) -> None:
             f"the training data packs into {num_rows} rows of --seq_len tokens, fewer than one global batch "
             f"({global_batch_size} = per-device batch x accumulation x processes); use more data, a smaller "
             "--seq_len or a smaller batch.")
+
+
+def check_sequence_parallel(sp: int, seq_len: int, model_config, attn_implementation: str, world_size: int) -> None:
+    """Raise `UserError` for a sequence-parallel run DeepSpeed's Ulysses attention cannot train: ranks that are not
+    groups of `sp`, a --seq_len that is not a multiple of sp, query heads not divisible by sp or KV heads where
+    neither divides the other, an attention other than sdpa (eager is refused by DeepSpeed; flash-attention's varlen
+    offsets would be the shard's, not the row's)."""
+    heads = model_config.num_attention_heads
+    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
+    fix = "choose a parallelism_config_sp_size that divides it"
+    if world_size % sp:
+        raise UserError(f"parallelism_config_sp_size {sp} does not divide the {world_size} processes; {fix}.")
+    if seq_len % sp:
+        raise UserError(f"--seq_len {seq_len} is not a multiple of parallelism_config_sp_size {sp}: each rank holds "
+                        f"seq_len / sp positions; use a multiple of {sp}.")
+    if heads % sp:
+        raise UserError(f"the model has {heads} attention heads, not divisible by parallelism_config_sp_size {sp} "
+                        f"(each rank attends with heads / sp of them); {fix}.")
+    if kv_heads % sp and sp % kv_heads:
+        raise UserError(f"the model has {kv_heads} key/value heads: parallelism_config_sp_size {sp} must divide them "
+                        "or be a multiple of them; choose another sp size.")
+    if (attn_implementation or "sdpa") != "sdpa":
+        raise UserError(f"--attn_implementation {attn_implementation} under sequence parallelism: these recipes run "
+                        "DeepSpeed's Ulysses attention around sdpa only; pass --attn_implementation sdpa.")
 
 
 def global_batch_indices(num_rows: int, global_batch_size: int, step: int, seed: int) -> list[int]:
@@ -176,11 +201,16 @@ class MicroBatch:
 
 @dataclass
 class StepBatches:
-    """What one optimizer step trains on this rank: its micro-batches (one per accumulation step) and the answer
-    tokens of the whole global batch, all ranks together (`loss_tokens`: the loss is their mean)."""
+    """What one optimizer step trains on this rank: its micro-batches (one per accumulation step; [SP] sp x as many,
+    each of seq_len / sp positions) and the answer tokens of the whole global batch, all ranks together
+    (`loss_tokens`: the loss is their mean). `loss_scale`: what each micro-batch's summed token loss is multiplied
+    by before backward, so that after accelerate (or DeepSpeed) divides by the micro-steps and the engine averages
+    over ranks the gradient is d(sum of token losses)/d(theta) / loss_tokens: processes x accumulation / loss_tokens
+    ([SP] x sp under ZeRO-3, whose reduce-scatter averages over every rank: `sequence_parallel_gradient_factor`)."""
 
     micro_batches: list[MicroBatch]
     loss_tokens: int
+    loss_scale: float
 
 
 class TrainingData:
@@ -203,12 +233,17 @@ class TrainingData:
 
     def __init__(self, train_rows, eval_rows, info: dict, *, seq_len: int, per_device_batch_size: int,
                  gradient_accumulation_steps: int, seed: int, attention_path: str, rank: int, world_size: int,
-                 device):
+                 device, sequence_parallel: int = 1, gradient_factor: int = 1):
         self.train_rows, self.eval_rows, self.info = train_rows, eval_rows, info
+        # [SP] ranks in groups of `sequence_parallel` (contiguous, as DeepSpeed builds them): a group trains its
+        # members' micro-batches one after another, each rank on its 1/sp of every row's positions
+        self.sp, self.sp_rank, self.dp, self.dp_rank = (sequence_parallel, rank % sequence_parallel,
+                                                        world_size // sequence_parallel, rank // sequence_parallel)
         self.seq_len, self.per_device_batch_size, self.seed = seq_len, per_device_batch_size, seed
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.attention_path, self.rank, self.world_size, self.device = attention_path, rank, world_size, device
         self.global_batch_rows = per_device_batch_size * gradient_accumulation_steps * world_size
+        self.gradient_divisor = world_size * gradient_accumulation_steps * gradient_factor  # StepBatches.loss_scale
         self.tokens_per_step = self.global_batch_rows * seq_len
         check_enough_rows(len(train_rows), self.global_batch_rows)
         self._loss_tokens_per_row = loss_tokens_per_row(train_rows)  # each step's token count, with no collective
@@ -228,6 +263,10 @@ class TrainingData:
         path = attention.packing_path(attn_implementation)
         check_seq_len(seq_len, model_config.max_position_embeddings)  # before tokenizing anything
         pad_token_id = pad_token_id_within(tokenizer, model_config.vocab_size)  # an id inside the embedding
+        sp = sequence_parallel_size()
+        if sp > 1:  # [SP] sdpa cannot keep packed examples apart once DeepSpeed drops the mask: one example a row
+            check_sequence_parallel(sp, seq_len, model_config, attn_implementation, accelerator.num_processes)
+            packing = False
         train_rows, eval_rows, info = prepare(accelerator, tokenizer, dataset,
                                               SFTRows(seq_len, pad_token_id, packing=packing),
                                               eval_fraction=eval_fraction, seed=seed,
@@ -235,7 +274,8 @@ class TrainingData:
         check_token_ids(tokenizer, info["max_token_id"], model_config.vocab_size)
         return cls(train_rows, eval_rows, info, seq_len=seq_len, per_device_batch_size=per_device_batch_size,
                    gradient_accumulation_steps=gradient_accumulation_steps, seed=seed, attention_path=path,
-                   rank=accelerator.process_index, world_size=accelerator.num_processes, device=accelerator.device)
+                   rank=accelerator.process_index, world_size=accelerator.num_processes, device=accelerator.device,
+                   sequence_parallel=sp, gradient_factor=sequence_parallel_gradient_factor(accelerator, sp))
 
     def global_batch_record(self) -> dict:
         """The global batch's size as the run's config and summary record it: {"global_batch_rows": rows}."""
@@ -246,15 +286,17 @@ class TrainingData:
         return global_batch_indices(len(self.train_rows), self.global_batch_rows, step, self.seed)
 
     def rows_of_step(self, indices: list[int]) -> list[list[int]]:
-        """This rank's share of a global batch's rows: one list of row indices per micro-step (`rank_rows`)."""
-        return rank_rows(indices, self.rank, self.world_size, self.per_device_batch_size,
-                         self.gradient_accumulation_steps)
+        """This rank's share of a global batch's rows: one list of row indices per micro-step (`rank_rows`); under
+        SP its group's share, sp x the micro-steps (every rank of a group gets the same rows)."""
+        return rank_rows(indices, self.dp_rank, self.dp, self.per_device_batch_size,
+                         self.gradient_accumulation_steps * self.sp)
 
     def step_batches(self, step: int) -> StepBatches:
         """This rank's micro-batches of optimizer step `step` and the global batch's answer-token count."""
         indices = self.global_batch(step)
-        micro = [self._micro_batch(self.train_rows[rows]) for rows in self.rows_of_step(indices)]
-        return StepBatches(micro, global_batch_loss_tokens(self._loss_tokens_per_row, indices))
+        micro = [self._micro_batch(self.train_rows[rows], shard=True) for rows in self.rows_of_step(indices)]
+        loss_tokens = global_batch_loss_tokens(self._loss_tokens_per_row, indices)
+        return StepBatches(micro, loss_tokens, self.gradient_divisor / loss_tokens)
 
     @property
     def has_eval(self) -> bool:
@@ -270,17 +312,27 @@ class TrainingData:
             yield self._micro_batch(batch)
 
     def describe(self) -> str:
-        """The batch arithmetic and the packed data, in two lines for the start of a run."""
+        """The batch arithmetic and the packed data, in two lines for the start of a run (three under SP)."""
+        sp = (f"sequence parallel {self.sp}: each group of {self.sp} ranks trains its members' micro-batches in turn "
+              f"({self.gradient_accumulation_steps * self.sp} micro-steps a step), each rank {self.seq_len // self.sp}"
+              f" of every row's {self.seq_len} positions; rows of one example each\n") if self.sp > 1 else ""
         return (f"micro-batch {self.per_device_batch_size} x accumulation {self.gradient_accumulation_steps} x "
                 f"{self.world_size} = global batch {self.global_batch_rows} rows = {self.tokens_per_step} tokens\n"
-                + describe(self.info, self.seq_len))
+                + sp + describe(self.info, self.seq_len))
 
-    def _micro_batch(self, rows) -> MicroBatch:
+    def _micro_batch(self, rows, shard: bool = False) -> MicroBatch:
         """A micro-batch on the device from host rows: the packing arguments are computed from the host position
         ids, then everything is copied without blocking (`transfer.to_device`), so the step's only host sync stays
-        the one of `distributed.reduce_step_values`."""
-        packing = attention.packed_kwargs(rows["position_ids"], self.attention_path, self.device)  # before the copy
-        batch = {k: to_device(rows[k], self.device) for k in ("input_ids", "labels", "position_ids")}
+        the one of `distributed.reduce_step_values`. [SP] `shard`: this rank's seq_len / sp positions of each row
+        (labels are already shifted, so a shard's last label is the next shard's first token: DeepSpeed's
+        `shift_labels`); the rows hold one example each, so no packing arguments."""
+        if shard and self.sp > 1:
+            width = self.seq_len // self.sp
+            positions = slice(self.sp_rank * width, (self.sp_rank + 1) * width)
+            rows = {k: rows[k][:, positions] for k in ("input_ids", "labels", "position_ids")}
+        packing = attention.packed_kwargs(rows["position_ids"], self.attention_path, self.device) \
+            if self.sp == 1 else {}  # before the copy
+        batch = {k: to_device(rows[k].contiguous(), self.device) for k in ("input_ids", "labels", "position_ids")}
         inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False,
                   **packing}
         return MicroBatch(inputs, batch["labels"])

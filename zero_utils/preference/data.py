@@ -24,6 +24,7 @@ from zero_utils.data.sources import DataSource
 from zero_utils.data.training import MicroBatch, check_seq_len, global_batch_indices, pad_token_id_within, rank_rows
 from zero_utils.preference.examples import parse_pair_columns
 from zero_utils.preference.pair_rows import PairRows
+from zero_utils.run.engine import sequence_parallel_size
 from zero_utils.run.errors import UserError
 from zero_utils.run.transfer import to_device
 
@@ -86,6 +87,10 @@ class PreferenceData:
         """Check the flags, then prepare the pairs once per job (or reuse them: `preparation.prepare` with
         `pair_rows.PairRows`; every other rank waits outside collectives and opens them). `num_proc`: processes that
         tokenize (0 = the main process's CPUs, at most 8; the same pairs for any value)."""
+        if sequence_parallel_size() > 1:
+            raise UserError("the preference recipes do not run under sequence parallelism yet (a pair's two answers "
+                            "share a micro-batch, unsharded): launch them with zero3.yaml or zero2.yaml, without the "
+                            "parallelism_config block.")
         check_seq_len(seq_len, model_config.max_position_embeddings)
         column_map = parse_pair_columns(columns)
         train, evaluation, info = prepare(accelerator, tokenizer, dataset, PairRows(seq_len),

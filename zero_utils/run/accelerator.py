@@ -25,7 +25,7 @@ import os
 import torch
 
 from zero_utils.run import compiling, distributed
-from zero_utils.run.engine import Engine
+from zero_utils.run.engine import Engine, sequence_parallel_size
 from zero_utils.run.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -100,6 +100,14 @@ def build_accelerator(*, per_device_batch_size: int, gradient_accumulation_steps
     distributed.set_wait_limit(wait_limit_s)
     launch = _launch_env()
     family = requested_engine_family()
+    sp = sequence_parallel_size()
+    if sp > 1 and family != "deepspeed":
+        raise UserError(f"sequence parallelism (parallelism_config_sp_size {sp}) runs under DeepSpeed ZeRO only "
+                        "(accelerate's Ulysses backend): launch with accelerate_configs/zero3_sp.yaml or "
+                        "zero2_sp.yaml.")
+    # [SP] each group of sp ranks trains the micro-batches of its sp members one after another, each rank holding
+    # 1/sp of every sequence: sp x the micro-steps per optimizer step (zero_utils.data.training.TrainingData)
+    gradient_accumulation_steps *= sp
     if family == "fsdp2" and launch["fsdp_version"] != 2:
         raise UserError("the accelerate config asks for FSDP version 1; these recipes use FSDP2: set fsdp_version: 2.")
     if family == "deepspeed":

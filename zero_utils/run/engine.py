@@ -118,3 +118,32 @@ def shard_group_size(accelerator) -> int:
     if config is not None and config.dp_replicate_enabled:
         return config.dp_shard_size
     return accelerator.num_processes
+
+
+def sequence_parallel_size() -> int:
+    """The launch's DeepSpeed Ulysses sequence-parallel size: the accelerate YAML's `parallelism_config_sp_size` (or
+    `accelerate launch --parallelism_config_sp_size N`) when its `parallelism_config:` block is on and its backend
+    is deepspeed, which `accelerate launch` hands to each process as PARALLELISM_CONFIG_SP_SIZE; 1 without SP. Read
+    from the environment, so it is known before the Accelerator exists. Engines: DeepSpeed ZeRO (accelerate offers
+    no Ulysses SP under FSDP2 or DDP)."""
+    import os
+
+    if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "").lower() != "true":
+        return 1
+    if os.environ.get("PARALLELISM_CONFIG_SP_BACKEND", "deepspeed") != "deepspeed":
+        return 1
+    return int(os.environ.get("PARALLELISM_CONFIG_SP_SIZE", "1"))
+
+
+def sequence_parallel_gradient_factor(accelerator, sp: int) -> int:
+    """What the recipes' loss scale is multiplied by under DeepSpeed Ulysses SP of size `sp` so that the gradient
+    stays d(sum of token losses)/d(theta) / tokens: sp under ZeRO-3 with its default reduce-scatter, whose average
+    is over every rank, 1 elsewhere. ZeRO-1/2 (and ZeRO-3's all-reduce path, `reduce_scatter: false`) divide by the
+    data-parallel size and sum over the SP ranks, which is what each rank's share of a sequence needs
+    (deepspeed/runtime/zero/stage3.py: `__avg_scatter_grads` against `__avg_scatter_contiguous_grads`). Measured:
+    ZeRO-3 sp 2 without it trained with half the gradient norm of the run without SP
+    (tests/test_sequence_parallel.py)."""
+    if sp == 1 or getattr(accelerator.state, "deepspeed_plugin", None) is None:
+        return 1
+    zero = accelerator.state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {})
+    return sp if zero.get("stage") == 3 and zero.get("reduce_scatter", True) is not False else 1

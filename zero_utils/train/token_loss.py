@@ -114,11 +114,13 @@ def logits_are_head_output(model, head: torch.nn.Module, device) -> bool:
         probes.append((signs * PROBE_VALUE).to(device=output.device, dtype=output.dtype))
         return probes[-1]
 
-    handle = head.register_forward_hook(replace)
+    handle, training = head.register_forward_hook(replace), model.training
+    model.eval()  # [SP] Ulysses attention runs a batch of the training micro-batch's shape only; off in eval mode
     try:
         with torch.no_grad():
             logits = model(input_ids=torch.arange(8, device=device).unsqueeze(0), use_cache=False).logits
     finally:
         handle.remove()
+        model.train(training)
         reshard_after_inference(model)
     return len(probes) == 1 and logits.shape == probes[0].shape and torch.equal(logits.float(), probes[0].float())
