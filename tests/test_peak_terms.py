@@ -44,7 +44,7 @@ def test_each_term_by_hand_at_8b():
     loss = (12 - 6) * 1024 * V
     assert round(mask / 1e9, 1) == 10.8 and round(loss / 1e6) == 788
     assert terms("zero3") == {"block_mask": mask, "loss_backward": loss, "fp32_reduce_scatter": 0,
-                              "autocast_copies": 0}
+                              "autocast_copies": 0, "sp_all_to_all": 0}  # no sequence parallelism
     assert terms("fsdp2")["fp32_reduce_scatter"] == 4 * V * H  # 2.1 GB
     assert terms("ddp")["autocast_copies"] == 2 * (PSI - V * H - (2 * L + 1) * H)
     # one layer's copies with checkpointing (autocast: the trainable weights' cache); fp32: 4-byte copies, 4 bytes of
@@ -55,7 +55,7 @@ def test_each_term_by_hand_at_8b():
         checkpointed["autocast_copies"] == 2 * (PSI - V * H - (2 * L + 1) * H)
     assert terms("fsdp2", dtype="fp32") == {
         "block_mask": B * S * S + L * (4 * B * S * S + 2 * 4 * B * S * (H - 1024)),
-        "loss_backward": (12 - 8) * 1024 * V, "fp32_reduce_scatter": 0, "autocast_copies": 0}
+        "loss_backward": (12 - 8) * 1024 * V, "fp32_reduce_scatter": 0, "autocast_copies": 0, "sp_all_to_all": 0}
     # no mask: padded rows (DPO), flash-attention's varlen offsets, eager (its mask exists packed or not)
     for kwargs in ({"packed_rows": False}, {"attention": "flash"}, {"attention": "eager"}):
         assert terms("fsdp2", **kwargs)["block_mask"] == 0, kwargs

@@ -145,3 +145,46 @@ def test_sp_under_fsdp2_and_the_preference_recipes_are_refused(monkeypatch):
     with pytest.raises(UserError, match="preference recipes do not run under sequence parallelism"):
         PreferenceData.prepare(None, None, None, dataset="x", columns="", seq_len=64, eval_fraction=0, seed=0,
                                per_device_batch_size=1, gradient_accumulation_steps=1)
+
+
+@pytest.mark.unit
+def test_the_estimate_divides_activations_by_sp_and_adds_the_all_to_all():
+    """At sp 8 a GPU's activations are those of seq_len / 8 positions (the block mask gone: rows of one example);
+    the all-to-all term is, by hand, 2 buffers x (queries + output: h each, keys + values: h x kv/heads each) x
+    positions per GPU x 2 bytes: for Llama-3-8B-like sizes at 131,072 tokens over 8 GPUs, 2 x 16,384 x (2 x 4,096 +
+    2 x 1,024) x 2 = 671,088,640 bytes. The CLI lists the engines with an _sp YAML and launches the cheapest with
+    its SP and data-parallel sizes; an FSDP2 engine with --sp is one sentence."""
+    import subprocess
+    import sys
+    from dataclasses import replace
+
+    from conftest import REPO
+
+    from zero_utils.formulas.model_states import architecture_from_sizes
+    from zero_utils.memory.estimate import Setup, estimate
+    from zero_utils.run.engine import Engine
+
+    arch = architecture_from_sizes(8 * 10**9, 4096, 32, 128256, intermediate_size=14336, num_heads=32,
+                                   num_kv_heads=8)
+    setup = Setup(num_params=arch.num_params, arch=arch, seq_len=131072, activation_checkpointing=True,
+                  sequence_parallel=8)
+    zero3 = (Engine.parse("zero3"),)
+    with_sp = estimate(setup, zero3)[0]
+    per_gpu = estimate(replace(setup, seq_len=16384, sequence_parallel=1, packed_rows=False), zero3)[0]
+    assert with_sp.activation_bytes == per_gpu.activation_bytes < estimate(replace(setup, sequence_parallel=1),
+                                                                            zero3)[0].activation_bytes / 7
+    assert with_sp.peak_terms["sp_all_to_all"] == 671_088_640 and with_sp.peak_terms["block_mask"] == 0
+    flags = ["--params", "8B", "--hidden_size", "4096", "--num_layers", "32", "--vocab_size", "128256",
+             "--intermediate_size", "14336", "--num_heads", "32", "--num_kv_heads", "8", "--seq_len", "131072",
+             "--activation_checkpointing", "--device_memory", "80GB"]
+
+    def cli(*extra):
+        return subprocess.run([sys.executable, "-m", "zero_utils.memory", *flags, *extra], cwd=REPO,
+                              capture_output=True, text=True, timeout=120)
+
+    out = cli("--sp", "8").stdout
+    assert [line.split()[0] for line in out.splitlines() if line.startswith("zero")] == ["zero2", "zero3"]
+    assert ("accelerate launch --config_file accelerate_configs/zero2_sp.yaml --num_processes 8 "
+            "--parallelism_config_sp_size 8 --parallelism_config_dp_shard_size 1 recipes/llama_zero3.py") in out
+    refused = cli("--sp", "8", "--engines", "zero3,fsdp2")
+    assert refused.returncode == 2 and "runs under DeepSpeed ZeRO only" in refused.stderr and "fsdp2" in refused.stderr

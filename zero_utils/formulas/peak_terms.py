@@ -35,9 +35,11 @@ from __future__ import annotations
 from zero_utils.formulas.model_states import Architecture, element_bytes
 from zero_utils.run.engine import Engine
 
-TERMS = ("block_mask", "loss_backward", "fp32_reduce_scatter", "autocast_copies")  # their order in every print-out
+TERMS = ("block_mask", "loss_backward", "fp32_reduce_scatter", "autocast_copies",  # their order in every print-out
+         "sp_all_to_all")
 TERM_NAMES = {"block_mask": "block mask", "loss_backward": "loss backward",  # as the fit check and the CLI print them
-              "fp32_reduce_scatter": "fp32 reduce-scatter", "autocast_copies": "autocast copies"}
+              "fp32_reduce_scatter": "fp32 reduce-scatter", "autocast_copies": "autocast copies",
+              "sp_all_to_all": "SP all-to-all"}
 LOSS_BACKWARD_BYTES = 12  # per token and vocabulary entry: fp32 log-softmax, its gradient in, the logits' gradient
 
 
@@ -82,10 +84,22 @@ def autocast_copies_bytes(engine: Engine, arch: Architecture, *, dtype: str, act
     return 2 * int(matmul_params * (trainable_fraction if activation_checkpointing else 1.0))
 
 
+def ulysses_all_to_all_bytes(arch: Architecture, *, seq_len: int, micro_batch_size: int, dtype: str,
+                             sequence_parallel: int) -> int:
+    """DeepSpeed Ulysses sequence parallelism of size `sequence_parallel` (`seq_len`: a rank's positions, the row's
+    / sp): one layer's attention inputs and output on both sides of the all-to-all, the send and the receive
+    buffers: 2 x (queries + output: h each, keys + values: the K/V width each) per token. 0 without SP."""
+    if sequence_parallel == 1:
+        return 0
+    kv_width = arch.hidden_size * (arch.num_kv_heads or arch.num_heads or 1) // (arch.num_heads or 1)
+    return 2 * seq_len * micro_batch_size * (2 * arch.hidden_size + 2 * kv_width) * element_bytes(dtype)
+
+
 def peak_terms(engine: Engine, arch: Architecture, *, seq_len: int, micro_batch_size: int, dtype: str,
                activation_checkpointing: bool, attention: str, packed_rows: bool, loss_chunk_tokens: int,
-               trainable_fraction: float = 1.0) -> dict[str, int]:
-    """Every term of the module docstring for one engine and setting: {name in TERMS: bytes per GPU}."""
+               trainable_fraction: float = 1.0, sequence_parallel: int = 1) -> dict[str, int]:
+    """Every term of the module docstring for one engine and setting: {name in TERMS: bytes per GPU}. Under
+    sequence parallelism `seq_len` is a rank's share of the row (seq_len / sp)."""
     return {
         "block_mask": packed_mask_bytes(arch, seq_len=seq_len, micro_batch_size=micro_batch_size, dtype=dtype,
                                         activation_checkpointing=activation_checkpointing, attention=attention,
@@ -97,4 +111,6 @@ def peak_terms(engine: Engine, arch: Architecture, *, seq_len: int, micro_batch_
         "autocast_copies": autocast_copies_bytes(engine, arch, dtype=dtype,
                                                  activation_checkpointing=activation_checkpointing,
                                                  trainable_fraction=trainable_fraction),
+        "sp_all_to_all": ulysses_all_to_all_bytes(arch, seq_len=seq_len, micro_batch_size=micro_batch_size,
+                                                  dtype=dtype, sequence_parallel=sequence_parallel),
     }

@@ -15,6 +15,7 @@ from zero_utils.formulas.model_states import OPTIMIZERS, REFERENCES, architectur
 from zero_utils.formulas.peak_terms import TERM_NAMES, TERMS
 from zero_utils.memory.estimate import (
     ENGINES,
+    SP_ENGINES,
     Setup,
     architecture_from_model,
     engine_named,
@@ -98,6 +99,9 @@ def _parser() -> argparse.ArgumentParser:
                              "(default: %(default)s)")
     activations.add_argument("--padded_rows", action="store_true", help="rows padded, not packed (the DPO recipes' "
                              "pairs): no block mask")
+    activations.add_argument("--sp", type=int, default=d.sequence_parallel, metavar="N", help="DeepSpeed Ulysses "
+                             "sequence parallelism: each GPU holds seq_len / N of every row (ZeRO engines only; "
+                             "accelerate_configs/zero3_sp.yaml)")
     activations.add_argument("--loss_chunk_tokens", type=int, default=d.loss_chunk_tokens, metavar="N", help="the "
                              "recipes' flag: logits of N tokens at a time; 0 = the whole micro-batch's "
                              "(default: %(default)s)")
@@ -138,7 +142,7 @@ def _setup_from_args(args) -> Setup:
                  activation_checkpointing=args.activation_checkpointing,
                  activation_offloading=args.activation_offloading, attention=args.attention,
                  packed_rows=not args.padded_rows, loss_chunk_tokens=args.loss_chunk_tokens, formula=args.formula,
-                 reference=args.reference)
+                 reference=args.reference, sequence_parallel=args.sp)
 
 
 
@@ -148,11 +152,13 @@ def format_report(data: dict, unit: str = "GB") -> str:
     precision = "bf16 mixed precision (fp32 master)" if inputs["dtype"] == "bf16" else "fp32"
     trained = f", {inputs['lora_fraction']:g} trainable" if inputs["lora_fraction"] < 1 else ""
     loss = f"{inputs['loss_chunk_tokens']}-token chunks" if inputs["loss_chunk_tokens"] else "the whole logits"
+    sp = inputs.get("sequence_parallel", 1)
+    sp_text = f" over sequence parallelism {sp} ({inputs['seq_len'] // sp} positions per GPU)" if sp > 1 else ""
     lines = [f"Per-GPU memory in {unit} (1 {unit} = {'1e9' if unit == 'GB' else '2^30'} bytes); cpu/rank = host "
              "memory per rank.",
              f"{inputs['num_params']:,} params{trained}, {inputs['num_gpus']} GPUs x {inputs['num_nodes']} node(s), "
              f"{precision}, {inputs['optimizer']}.",
-             f"Activations: seq_len {inputs['seq_len']}, micro-batch {inputs['micro_batch_size']}, "
+             f"Activations: seq_len {inputs['seq_len']}{sp_text}, micro-batch {inputs['micro_batch_size']}, "
              f"{inputs['attention']} attention, activation checkpointing "
              f"{'on' if inputs['activation_checkpointing'] else 'off'}"
              f"{' (inputs offloaded to host memory)' if inputs['activation_offloading'] else ''}, "
@@ -199,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         args = _parser().parse_args(argv)
         setup = _setup_from_args(args)
         engines = tuple(engine_named(name.strip()) for name in args.engines.split(",") if name.strip())
+        if setup.sequence_parallel > 1 and args.engines == _parser().get_default("engines"):
+            engines = SP_ENGINES  # [SP] DeepSpeed ZeRO, the engines with an _sp YAML
         results = estimate(setup, engines)
         gpu_memory_bytes = parse_bytes(args.device_memory) if args.device_memory else None
         data = report(setup, results, gpu_memory_bytes)

@@ -30,6 +30,7 @@ from zero_utils.run.errors import UserError
 # communication first.
 ENGINES = tuple(Engine.parse(name) for name in ("ddp", "zero1", "zero2", "fsdp2_zero2", "zero3", "fsdp2",
                                                 "zero3_offload", "fsdp2_offload"))
+SP_ENGINES = tuple(Engine.parse(name) for name in ("zero2", "zero3"))  # with an _sp YAML (Ulysses: DeepSpeed only)
 SAFETY_MARGIN = 0.10
 TIGHT_FRACTION = 0.85  # an estimate above this share of the usable memory fits, with a warning
 _BYTE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
@@ -137,6 +138,7 @@ class Setup:
     # computed before training, the copy freed: no bytes during training), "none" (reference-free)
     reference_params: int | None = None  # the frozen model's parameters when it is another model than the policy
     # (zero_utils.train.frozen_model: a distillation teacher); None: a copy of the policy (num_params)
+    sequence_parallel: int = 1  # DeepSpeed Ulysses: each rank holds seq_len / sp of every row (DeepSpeed ZeRO only)
 
 
 @dataclass(frozen=True)
@@ -192,6 +194,16 @@ def estimate(setup: Setup, engines: tuple[Engine, ...] = ENGINES) -> list[Engine
                         "--activation_checkpointing.")
     if setup.dtype not in ("fp32", "bf16"):
         raise UserError(f"--dtype {setup.dtype!r} is unknown; use fp32 or bf16.")
+    sp = setup.sequence_parallel
+    if sp > 1:
+        if setup.seq_len % sp or (setup.num_gpus * setup.num_nodes) % sp:
+            raise UserError(f"--sp {sp} must divide --seq_len ({setup.seq_len}) and the GPUs "
+                            f"({setup.num_gpus * setup.num_nodes}).")
+        others = [e.name for e in engines if not e.is_deepspeed]
+        if others:
+            raise UserError(f"--sp {sp}: sequence parallelism runs under DeepSpeed ZeRO only (accelerate's Ulysses "
+                            f"backend); drop {', '.join(others)} from --engines.")
+    rank_seq_len = setup.seq_len // sp  # [SP] a rank's positions of every row
     trainable = round(setup.num_params * setup.lora_fraction)
     world = setup.num_gpus * setup.num_nodes
     results = []
@@ -204,20 +216,21 @@ def estimate(setup: Setup, engines: tuple[Engine, ...] = ENGINES) -> list[Engine
                                    formula=setup.formula)
         activations = transient = terms = None
         if setup.arch is not None:
-            activations = activation_bytes(setup.arch, seq_len=setup.seq_len, micro_batch_size=setup.micro_batch_size,
+            activations = activation_bytes(setup.arch, seq_len=rank_seq_len, micro_batch_size=setup.micro_batch_size,
                                            activation_checkpointing=setup.activation_checkpointing,
                                            attention=setup.attention, dtype=setup.dtype,
                                            loss_chunk_tokens=setup.loss_chunk_tokens,
                                            activation_offloading=setup.activation_offloading)
             transient = transient_bytes(engine, setup.arch, dtype=setup.dtype, trainable_fraction=setup.lora_fraction)
-            terms = peak_terms(engine, setup.arch, seq_len=setup.seq_len, micro_batch_size=setup.micro_batch_size,
+            terms = peak_terms(engine, setup.arch, seq_len=rank_seq_len, micro_batch_size=setup.micro_batch_size,
                                dtype=setup.dtype, activation_checkpointing=setup.activation_checkpointing,
-                               attention=setup.attention, packed_rows=setup.packed_rows,
-                               loss_chunk_tokens=setup.loss_chunk_tokens, trainable_fraction=setup.lora_fraction)
+                               attention=setup.attention, packed_rows=setup.packed_rows and sp == 1,
+                               loss_chunk_tokens=setup.loss_chunk_tokens, trainable_fraction=setup.lora_fraction,
+                               sequence_parallel=sp)
         reference = (0, 0) if setup.reference == "none" else reference_model_bytes(
             engine, setup.reference_params or setup.num_params, world, setup.dtype, shard_group_size=group,
             held_as=setup.reference)
-        on_host = offloaded_activation_bytes(setup.arch, seq_len=setup.seq_len, micro_batch_size=setup.micro_batch_size,
+        on_host = offloaded_activation_bytes(setup.arch, seq_len=rank_seq_len, micro_batch_size=setup.micro_batch_size,
                                              dtype=setup.dtype) if setup.activation_offloading and setup.arch else 0
         results.append(EngineEstimate(engine, states, activations, transient, *reference, peak_terms=terms,
                                       activation_cpu_bytes=on_host))
@@ -238,11 +251,13 @@ def cheapest_fit(results: list[EngineEstimate], gpu_memory_bytes: int) -> Engine
 
 
 def launch_command(engine: Engine, num_gpus: int, num_nodes: int = 1, hsdp: bool = False,
-                   recipe: str = "recipes/llama_zero3.py") -> str:
+                   recipe: str = "recipes/llama_zero3.py", sequence_parallel: int = 1) -> str:
     """The `accelerate launch` line of `recipe` for `engine` (accelerate's --num_processes counts all nodes'
-    processes)."""
-    line = (f"accelerate launch --config_file accelerate_configs/{engine.name}.yaml "
-            f"--num_processes {num_gpus * num_nodes}")
+    processes); with `sequence_parallel` > 1 its `_sp` YAML and the SP and data-parallel sizes."""
+    sp = (f" --parallelism_config_sp_size {sequence_parallel} --parallelism_config_dp_shard_size "
+          f"{num_gpus * num_nodes // sequence_parallel}") if sequence_parallel > 1 else ""
+    line = (f"accelerate launch --config_file accelerate_configs/{engine.name}{'_sp' if sp else ''}.yaml "
+            f"--num_processes {num_gpus * num_nodes}{sp}")
     if num_nodes > 1:
         line += (f" --num_machines {num_nodes} --machine_rank <0..{num_nodes - 1}> --main_process_ip <node 0 address>"
                  " --main_process_port 29500")
@@ -306,7 +321,8 @@ def report(setup: Setup, results: list[EngineEstimate], gpu_memory_bytes: int | 
             "total_bytes": r.total_bytes, "fits": fits(r, gpu_memory_bytes) if gpu_memory_bytes else None,
         } for r in results],
         "cheapest_fit": chosen.engine.name if chosen else None,
-        "command": launch_command(chosen.engine, setup.num_gpus, setup.num_nodes, setup.hsdp) if chosen else None,
+        "command": launch_command(chosen.engine, setup.num_gpus, setup.num_nodes, setup.hsdp,
+                                  sequence_parallel=setup.sequence_parallel) if chosen else None,
         "advice": _advice(setup, gpu_memory_bytes) if gpu_memory_bytes and not chosen else [],
         "notes": _notes(setup) + ([f"CPU offload needs cpu/rank x {setup.num_gpus} of host memory per node."]
                                   if any(r.cpu_bytes for r in results) else []),
@@ -362,11 +378,12 @@ def fit_verdict(setup: Setup, engine: Engine, capacity_bytes: int, *, device_is_
 
     if need <= usable:
         return verdict("tight" if need > TIGHT_FRACTION * usable else "fits")
-    in_memory = tuple(e for e in ENGINES if not e.offload)
+    sp = setup.sequence_parallel
+    in_memory = SP_ENGINES if sp > 1 else tuple(e for e in ENGINES if not e.offload)
     unit, units = ("process", "processes") if device_is_host else ("GPU", "GPUs")
 
     def line(result: EngineEstimate, trial: Setup, flags: str = "") -> str:
-        command = launch_command(result.engine, trial.num_gpus, trial.num_nodes, trial.hsdp, recipe)
+        command = launch_command(result.engine, trial.num_gpus, trial.num_nodes, trial.hsdp, recipe, sp)
         return f"{result.engine} fits ({format_bytes(_need(result, device_is_host))} per {unit}): {command}{flags}"
 
     tried = []  # (settings, the flags that say them)
@@ -382,7 +399,7 @@ def fit_verdict(setup: Setup, engine: Engine, capacity_bytes: int, *, device_is_
     world = setup.num_gpus * setup.num_nodes
     parts = [f"nothing fits on {world} {units if world > 1 else unit} of {format_bytes(capacity_bytes)}"
              + ("" if device_is_host else " without CPU offload")]
-    if not device_is_host:
+    if not device_is_host and sp == 1:  # no offload config ships with sequence parallelism
         offloaded = min(estimate(setup, tuple(e for e in ENGINES if e.offload)), key=lambda r: r.total_bytes)
         parts.append(f"of the CPU-offload configs {offloaded.engine} needs least: "
                      + (line(offloaded, setup) if offloaded.total_bytes <= usable else

@@ -33,7 +33,7 @@ from zero_utils.memory.estimate import (
 )
 from zero_utils.model.deepspeed_setup import zero3_init_disabled
 from zero_utils.run.distributed import local_world_size, per_rank
-from zero_utils.run.engine import Engine
+from zero_utils.run.engine import Engine, sequence_parallel_size
 from zero_utils.run.errors import UserError
 
 
@@ -134,7 +134,8 @@ def _term_line(check: FitCheck) -> str:
     offloaded = (f"; {format_bytes(v.estimate.cpu_bytes)} per rank offloaded to host memory"
                  if v.estimate.cpu_bytes and not on_host else "")
     return (f"fit check [{v.estimate.engine}{' HSDP' if s.hsdp else ''}, {s.num_gpus * s.num_nodes} rank(s), "
-            f"{precision}, micro-batch {s.micro_batch_size} x seq_len {s.seq_len}, "
+            f"{precision}, micro-batch {s.micro_batch_size} x seq_len {s.seq_len}"
+            f"{f' over sequence parallelism {s.sequence_parallel}' if s.sequence_parallel > 1 else ''}, "
             f"{'activation checkpointing, ' if s.activation_checkpointing else ''}"
             f"{'activation offloading, ' if s.activation_offloading else ''}{loss}"
             f"{f', LoRA {s.lora_fraction:.4%} trained' if s.lora_fraction < 1 else ''}]: {terms} = "
@@ -185,7 +186,8 @@ def check_fit(accelerator, engine: Engine, model_config, *, seq_len: int, micro_
                   arch=arch, seq_len=seq_len, micro_batch_size=micro_batch_size,
                   activation_checkpointing=activation_checkpointing, activation_offloading=activation_offloading,
                   attention=_attention_kind(attn_implementation), packed_rows=packed_rows,
-                  loss_chunk_tokens=loss_chunk_tokens, reference=reference, reference_params=frozen_params)
+                  loss_chunk_tokens=loss_chunk_tokens, reference=reference, reference_params=frozen_params,
+                  sequence_parallel=sequence_parallel_size())  # [SP] a rank's share of every row
     accelerator.wait_for_everyone()  # [CUDA] NCCL makes its buffers at the first collective: read free memory after
     capacity, source = device_capacity(accelerator.device, local, device_memory)
     capacity = min(per_rank(accelerator, {"capacity": capacity})["capacity"])  # one verdict on every rank
