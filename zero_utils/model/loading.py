@@ -128,7 +128,8 @@ def choose_attention(requested: str, device: torch.device, mixed_precision: str)
 
 
 def load_causal_lm(name_or_path: str, *, accelerator=None, attn_implementation: str | None = None,
-                   trust_remote_code: bool = False, quantization_config=None, revision: str | None = None):
+                   trust_remote_code: bool = False, quantization_config=None, revision: str | None = None,
+                   reward_pad_token_id: int | None = None):
     """Build or load a `transformers` causal LM in fp32 (master weights; mixed precision casts for compute).
 
     Returns the model, on CPU (pretrained weights at the Hub `revision`, if given; a Hub model is first downloaded
@@ -146,12 +147,22 @@ def load_causal_lm(name_or_path: str, *, accelerator=None, attn_implementation: 
       every rank loads its own 4-bit copy instead.
     - DeepSpeed ZeRO-3 with `zero3_init_flag: true`: transformers builds the model partitioned under
       `deepspeed.zero.Init`, rank 0 reads the weights and each parameter is scattered as it is loaded.
+
+    `reward_pad_token_id`: load it as a reward model instead, a sequence classifier with one output
+    (`AutoModelForSequenceClassification`, num_labels 1): the causal LM's decoder as it is, a new score head (hidden
+    x 1, initialised as transformers initialises a new weight) in place of the output head, and this pad id in its
+    config (transformers scores each row at its last token that is not the pad id). The same loading paths.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     download_once_per_node(accelerator, name_or_path, revision)
     config = load_config(name_or_path, trust_remote_code, revision)
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    auto = AutoModelForCausalLM
+    if reward_pad_token_id is not None:  # [reward] a one-output classifier on the same decoder
+        auto = AutoModelForSequenceClassification
+        config.num_labels, config.pad_token_id = 1, reward_pad_token_id
+        kwargs.update(num_labels=1, pad_token_id=reward_pad_token_id)
     local = _check_local(name_or_path)
     if local is not None and local.is_dir() and not any((local / f).exists() for f in _WEIGHT_FILES):
         if any(local.glob("*.bin")):
@@ -161,8 +172,8 @@ def load_causal_lm(name_or_path: str, *, accelerator=None, attn_implementation: 
             raise UserError(f"--qlora quantizes pretrained weights, but --model {name_or_path!r} holds only a config; "
                             "point --model at a folder with safetensors weights or at a Hub model id.")
         with zero3_init_disabled(accelerator):  # [ZeRO-3]
-            return AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code,
-                                                    **kwargs)
+            return auto.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code,
+                                    **_from_config(kwargs))
     if quantization_config is not None:
         # [QLoRA] Every rank quantizes its own copy while loading (4-bit: about a quarter of the bf16 bytes): a
         # quantized layer cannot be built empty on the meta device and filled by rank 0's broadcast afterwards.
@@ -170,9 +181,8 @@ def load_causal_lm(name_or_path: str, *, accelerator=None, attn_implementation: 
     elif loads_on_rank0_only(accelerator):  # [FSDP2] rank 0 reads while the others wait outside any collective
         def read_weights():
             with reaching("--model", name_or_path, revision=revision):
-                return AutoModelForCausalLM.from_pretrained(str(local or name_or_path), dtype=torch.float32,
-                                                            use_safetensors=True, trust_remote_code=trust_remote_code,
-                                                            revision=revision or None, **kwargs)
+                return auto.from_pretrained(str(local or name_or_path), dtype=torch.float32, use_safetensors=True,
+                                            trust_remote_code=trust_remote_code, revision=revision or None, **kwargs)
 
         model = distributed.run_on_main_process(accelerator, read_weights,
                                                 what=f"rank 0 reading the weights of --model {name_or_path}")
@@ -183,14 +193,18 @@ def load_causal_lm(name_or_path: str, *, accelerator=None, attn_implementation: 
         # Parameters on the meta device (no memory), buffers real: zero_utils.model.wrapping.shard_model materialises
         # this rank's shards and fills them from rank 0's weights.
         with init_empty_weights(), zero3_init_disabled(accelerator):
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
-                                                     trust_remote_code=trust_remote_code, **kwargs)
+            model = auto.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code,
+                                     **_from_config(kwargs))
         model.tie_weights()  # the tie must hold before sharding: FSDP2 keeps a shared weight in one group
         return model
     with reaching("--model", name_or_path, revision=revision):
-        return AutoModelForCausalLM.from_pretrained(str(local or name_or_path), dtype=torch.float32,
-                                                    use_safetensors=True, trust_remote_code=trust_remote_code,
-                                                    revision=revision or None, **kwargs)
+        return auto.from_pretrained(str(local or name_or_path), dtype=torch.float32, use_safetensors=True,
+                                    trust_remote_code=trust_remote_code, revision=revision or None, **kwargs)
+
+
+def _from_config(kwargs: dict) -> dict:
+    """`from_config` takes the attention implementation, not config values (set on the config already)."""
+    return {k: v for k, v in kwargs.items() if k == "attn_implementation"}
 
 
 # What a causal LM's Hub repository holds that loading it needs (config, tokenizer, chat template, safetensors

@@ -1,6 +1,6 @@
-"""A reward model's loss on preference pairs (recipes/llama_reward.py, next): the Bradley-Terry model of which answer
-is preferred, on the scalar scores a sequence-classification model gives each answer (its score at the answer's last
-non-padding token). Pure tensor arithmetic, the same under every engine.
+"""A reward model's loss on preference pairs (for the reward-model recipe of issue 73): the Bradley-Terry model of
+which answer is preferred, on the scalar scores a sequence-classification model gives each answer (its score at the
+answer's last non-padding token). Pure tensor arithmetic, the same under every engine.
 
     per pair   -log sigmoid(r_c - r_r - m)  +  c (r_c + r_r)^2
 
