@@ -91,8 +91,8 @@ def list_folders(root: Path) -> list[CachedFolder]:
         info = json.loads(info_file.read_text())
         depends_on = info.get("depends_on", {})
         rows = depends_on.get("rows", depends_on)  # folders before the one pipeline kept the settings at the top
-        kind = {"pairs": "preference pairs", "prompts": "prompts"}.get(rows.get("kind"), "SFT rows")
-        kind = "preference pairs" if "pairs" in depends_on else kind
+        made = rows.get("kind", "pairs" if "pairs" in rows else None)  # ... and said pairs by a "pairs" version
+        kind = {"pairs": "preference pairs", "prompts": "prompts"}.get(made, "SFT rows")
         kind += (", unpacked" if rows.get("packing") is False else "") + (
             " (mixture)" if "mixture" in depends_on else "")
         hold_file = folder / HOLD_FILE

@@ -105,15 +105,15 @@ def build_accelerator(*, per_device_batch_size: int, gradient_accumulation_steps
         raise UserError(f"sequence parallelism (parallelism_config_sp_size {sp}) runs under DeepSpeed ZeRO only "
                         "(accelerate's Ulysses backend): launch with accelerate_configs/zero3_sp.yaml or "
                         "zero2_sp.yaml.")
-    # [SP] each group of sp ranks trains the micro-batches of its sp members one after another, each rank holding
-    # 1/sp of every sequence: sp x the micro-steps per optimizer step (zero_utils.data.training.TrainingData)
-    gradient_accumulation_steps *= sp
     if family == "fsdp2" and launch["fsdp_version"] != 2:
         raise UserError("the accelerate config asks for FSDP version 1; these recipes use FSDP2: set fsdp_version: 2.")
     if family == "deepspeed":
         _check_no_duplicate_setting("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "--gradient_accumulation_steps",
                                     gradient_accumulation_steps)
         _check_no_duplicate_setting("ACCELERATE_GRADIENT_CLIPPING", "--max_grad_norm", max_grad_norm)
+        # [SP] each group of sp ranks trains the micro-batches of its sp members one after another, each rank holding
+        # 1/sp of every sequence: sp x the micro-steps per optimizer step (zero_utils.data.training.TrainingData)
+        gradient_accumulation_steps *= sp
         os.environ["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] = str(gradient_accumulation_steps)
         os.environ["ACCELERATE_GRADIENT_CLIPPING"] = str(max_grad_norm)
 
