@@ -3,6 +3,7 @@
     python benchmarks/gpu.py --download_wheels benchmarks/gpu_wheels   # here, with the package registry (~25 MB)
     python benchmarks/gpu.py --output_dir $OUT/gpu --wheels benchmarks/gpu_wheels   # the GPU machine; never run yet
     python benchmarks/gpu.py --smoke --output_dir runs/gpu-smoke [--wheels DIR]    # a CPU, tiny shapes: the logic
+                                                              # (3x each step's timeout, 15 minutes in all)
 
 The GPU machine lent to this project (its image as listed 2026-11-17: Python 3.12.3, torch 2.11.0, transformers
 5.17.0, accelerate 1.15.0, peft, pyarrow, ...) has neither `datasets` nor DeepSpeed, and no network.
@@ -66,6 +67,10 @@ WHEELS = ["datasets", "dill", "multiprocess", "pandas", "python-dateutil", "tzda
           "pydantic-core", "annotated-types", "typing-inspection"]
 BUILT_HERE = ["deepspeed"]  # sdists, built into wheels by --download_wheels (DeepSpeed: DS_BUILD_OPS=0, no ops)
 BUDGET_S, MIN_STEP_S = 360, 20
+# --smoke runs beside the test suite's other worker on 2 CPU cores, where the first ZeRO-3 launch builds the private
+# DeepSpeed copy's shared-memory op (32 s alone; 120 s ran out beside the other worker's 4-process launches on an
+# AVX2 host, 2026-12-07): its steps get three times the GPU timeouts and the whole smoke 15 minutes.
+SMOKE_BUDGET_S, SMOKE_TIMEOUT_FACTOR = 900, 3
 STEP_TIMEOUT_S = {"install": 120, "environment": 60, "attention": 90, "chunked_head": 90, "tokenizer_workers": 90,
                   "recipe": 120}
 RECIPES = [("fsdp2", 1, ""), ("fsdp2", 2, ""), ("zero3", 1, ""), ("zero3", 2, ""), ("fsdp2", 1, "compiled"),
@@ -196,7 +201,8 @@ def main() -> None:
     parser.add_argument("--download_wheels", metavar="DIR", help="fetch what the GPU image lacks into DIR, then exit")
     parser.add_argument("--python_version", default="3.12", help="Python of the fetched wheels")
     parser.add_argument("--wheels", metavar="DIR", help="install the wheels of --download_wheels from DIR first")
-    parser.add_argument("--budget_s", type=float, default=BUDGET_S, help="the whole check ends within this")
+    parser.add_argument("--budget_s", type=float, default=None,
+                        help=f"the whole check ends within this (default: {BUDGET_S}; --smoke: {SMOKE_BUDGET_S})")
     parser.add_argument("--seq_len", type=int, default=2048)
     parser.add_argument("--batch_size", type=int, default=4, help="rows of seq_len tokens per micro-batch")
     parser.add_argument("--steps", type=int, default=6)
@@ -206,6 +212,8 @@ def main() -> None:
         return
     if not args.output_dir:
         parser.error("--output_dir is required (or --download_wheels DIR)")
+    args.budget_s = args.budget_s or (SMOKE_BUDGET_S if args.smoke else BUDGET_S)
+    timeout_factor = SMOKE_TIMEOUT_FACTOR if args.smoke else 1
     deadline = time.monotonic() + args.budget_s
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -230,7 +238,7 @@ def main() -> None:
             row = {"step": name, "status": "skipped",
                    "reason": skip_reason or f"{left:.0f} s of the {args.budget_s:.0f} s budget left"}
         else:
-            row = run_step(name, cmd, output_dir, env, min(STEP_TIMEOUT_S[kind], left))
+            row = run_step(name, cmd, output_dir, env, min(STEP_TIMEOUT_S[kind] * timeout_factor, left))
             if row["status"] == "ok":
                 try:
                     row["result"] = result() if result else json.loads((output_dir / f"{name}.json").read_text())

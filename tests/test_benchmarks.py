@@ -141,7 +141,7 @@ def test_gpu_check_runs_on_cpu_from_its_own_wheels(tmp_path):
                            python], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     proc = subprocess.run([sys.executable, "benchmarks/gpu.py", "--smoke", "--output_dir", str(out), "--wheels",
-                           str(wheels)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+                           str(wheels)], cwd=REPO, env=env, capture_output=True, text=True, timeout=1000)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
     assert "| recipe_zero3_accum2 | ok |" in proc.stdout  # the closing table
     report = json.loads((out / "gpu.json").read_text())
@@ -152,7 +152,7 @@ def test_gpu_check_runs_on_cpu_from_its_own_wheels(tmp_path):
     compiled = steps.pop("recipe_fsdp2_accum1_compiled")  # skipped under --smoke, saying why
     assert compiled["status"] == "skipped" and "tests/test_compile.py" in compiled["reason"]
     assert {r["status"] for r in steps.values()} == {"ok"}, {k: r.get("log_tail") for k, r in steps.items()}
-    assert report["wall_s"] < report["budget_s"] == 360
+    assert report["wall_s"] < report["budget_s"] == 900  # --smoke's (the GPU's: 360)
     assert len(steps["install"]["result"]["installed"]) == len(list(wheels.glob("*.whl"))) == 12
     env_result = steps["environment"]["result"]
     for package in ("datasets", "deepspeed"):  # imported from the private folder, not from this environment

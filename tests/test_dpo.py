@@ -383,7 +383,10 @@ def test_a_frozen_model_with_another_vocabulary_is_one_sentence():
 
 # Per-step losses of every reference mode, recorded with the code before the reference became one object (6aee865,
 # issue 69): DDP, 2 processes, fp32, FOUR_STEPS, a micro-batch of 4 pairs (`--reference model`: TODAY above;
-# LoRA-DPO's adapters off: tests/test_dpo_lora.py). The runs after it must train exactly these.
+# LoRA-DPO's adapters off: tests/test_dpo_lora.py). The runs after it must train these to PIN_RTOL.
+# PIN_RTOL: the same code on another CPU gives other last digits (AVX2 against AVX512 kernels: up to 3.7e-7 seen,
+# 2026-12-07); a changed reference or loss moves a step's loss by 1e-3 or more.
+PIN_RTOL = 1e-6
 PINNED = {"precomputed": [0.6931471228599548, 0.6452320218086243, 0.6193743646144867, 0.5804722905158997],
           "none": [1.280958890914917, 1.2685195803642273, 1.0922970175743103, 1.2297831177711487]}
 
@@ -392,10 +395,10 @@ PINNED = {"precomputed": [0.6931471228599548, 0.6452320218086243, 0.619374364614
 @pytest.mark.slow
 def test_simpo_without_a_reference_trains_the_pinned_losses(runs):
     """`--loss simpo` (no reference: the null case), DDP on 2 ranks, fp32: the losses recorded before the reference
-    became one object, exactly; no reference bytes, digests or log-probs in the summary."""
+    became one object (to PIN_RTOL); no reference bytes, digests or log-probs in the summary."""
     run = runs("dpo-simpo-ddp", *FOUR_STEPS, "--loss", "simpo", "--per_device_batch_size", "4", recipe=DPO,
                config="ddp", mixed_precision="no").check()
-    assert [m["loss"] for m in run.metrics()] == PINNED["none"]
+    assert [m["loss"] for m in run.metrics()] == pytest.approx(PINNED["none"], rel=PIN_RTOL)
     summary = run.summary()
     assert summary["reference"] == "none" and summary["reference_state_bytes"] is None
     assert summary["reference_digest_start"] is None and summary["reference_logps"] is None
@@ -573,7 +576,7 @@ def test_a_precomputed_reference_trains_as_the_held_one(dpo_run, precomputed_run
 
     held, precomputed = dpo_run(config), precomputed_run(config)
     if config == "ddp":  # as before the reference became one object (issue 69)
-        assert [m["loss"] for m in precomputed.metrics()] == PINNED["precomputed"]
+        assert [m["loss"] for m in precomputed.metrics()] == pytest.approx(PINNED["precomputed"], rel=PIN_RTOL)
     for key in ("loss", "logps_chosen", "logps_rejected"):
         assert [m[key] for m in precomputed.metrics()] == pytest.approx([m[key] for m in held.metrics()],
                                                                       rel=LOSS_RTOL, abs=1e-6), key
@@ -711,8 +714,9 @@ def flow(runs, sft_defaults, session_root):
 def test_sft_then_dpo_answers_held_out_prompts_with_the_chosen_answers(flow):
     """The conversational layout trained (prompt string, message lists, ignored score columns); on the held-out
     pairs (the recipe's own split) the reward accuracy is >= 0.9, and greedy answers to the prompts of the tasks a
-    1M-parameter model can learn (capitals, colors, number words, spelling) are their chosen answers (>= 95%; the
-    SFT model alone: 90%), never the rejected ones."""
+    1M-parameter model can learn (capitals, colors, number words, spelling) are their chosen answers more often than
+    the SFT model's alone and at least 90% of the time, never the rejected ones. Measured: SFT 55 and DPO 58 or more
+    of 61 where the CPU runs bf16 natively; 51 and 56 where it runs the same launch in fp32 (no AVX512-BF16)."""
     import datasets
 
     sft, dpo, data = flow
@@ -723,10 +727,12 @@ def test_sft_then_dpo_answers_held_out_prompts_with_the_chosen_answers(flow):
         test_size=0.05, seed=42)["test"]  # the recipe's split: --eval_fraction 0.05, --seed 42
     lookups = [r for r in held_out if any(w in r["prompt"] for w in ("capital", "color", "in words", "pell"))]
     answers = greedy(dpo.output_dir / "final", [r["prompt"] for r in lookups])
+    sft_answers = greedy(sft.output_dir / "final", [r["prompt"] for r in lookups])
     chosen = [r["chosen"][1]["content"] for r in lookups]
     rejected = [r["rejected"][1]["content"] for r in lookups]
     assert len(lookups) >= 40
-    assert sum(a == c for a, c in zip(answers, chosen, strict=True)) >= 0.95 * len(lookups), answers
+    right, right_before = (sum(a == c for a, c in zip(got, chosen, strict=True)) for got in (answers, sft_answers))
+    assert right > right_before and right >= 0.9 * len(lookups), (right_before, right, answers)
     assert not any(a == r for a, r in zip(answers, rejected, strict=True))
 
 

@@ -109,11 +109,13 @@ def test_engines_and_accumulation_train_as_fsdp2_does(dpo_lora_run, other):
     """FSDP2 with 2 micro-steps of 2 pairs per rank (its gradients reduce-scattered after each, the reference's
     forward before each policy forward), ZeRO-3 and DDP, against FSDP2 with one micro-step of 4: the same loss,
     margin and chosen log-probs at every step, and the same final eval (the SFT tests' tolerances)."""
+    from test_dpo import PIN_RTOL
     from test_zero_math import LOSS_RTOL
 
     reference = dpo_lora_run("fsdp2", 4, 1, "--merge")
     run = dpo_lora_run("fsdp2", 2, 2) if other == "accumulation" else dpo_lora_run(other)
-    assert [m["loss"] for m in reference.metrics()] == PINNED_ADAPTERS_OFF  # as before issue 69's reference object
+    # as before issue 69's reference object, to test_dpo's PIN_RTOL (another CPU's last digits)
+    assert [m["loss"] for m in reference.metrics()] == pytest.approx(PINNED_ADAPTERS_OFF, rel=PIN_RTOL)
     for key in ("loss", "reward_margin", "logps_chosen"):
         assert [m[key] for m in run.metrics()] == pytest.approx([m[key] for m in reference.metrics()],
                                                                rel=LOSS_RTOL, abs=1e-6), key
